@@ -1,0 +1,97 @@
+"""Session-scoped lab fixtures, built in seconds. Every test runs offline."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["WANDB_DISABLED"] = "true"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["TQDM_DISABLE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from trl_statelens.lab import LabWorld, build_model, build_tokenizer, format_plain  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: one thread per process beats two fighting over 2 cores
+
+
+@pytest.fixture(scope="session")
+def world():
+    return LabWorld(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory, world):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(world, num_documents=2000).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_path):
+    return AutoTokenizer.from_pretrained(tokenizer_path)
+
+
+def _save_model(tmp_path_factory, tokenizer, name, seed):
+    path = tmp_path_factory.mktemp(name)
+    build_model("test", tokenizer, seed=seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def student_path(tmp_path_factory, tokenizer):
+    """A `test`-size Qwen3 (random weights) saved like a hub checkpoint: pass the path to any trainer."""
+    return _save_model(tmp_path_factory, tokenizer, "student", seed=0)
+
+
+@pytest.fixture(scope="session")
+def teacher_path(tmp_path_factory, tokenizer):
+    """Another `test`-size Qwen3 with the student's vocabulary and different weights."""
+    return _save_model(tmp_path_factory, tokenizer, "teacher", seed=1)
+
+
+@pytest.fixture(scope="session")
+def math_dataset(world):
+    """64 GSM8K-format training rows in TRL's prompt-completion layout (plain format, as in the study)."""
+    rows = world.math("train", n=64)
+    return Dataset.from_list(
+        [{"prompt": format_plain(r["question"]), "completion": " " + r["answer"], **r} for r in rows]
+    )
+
+
+# ----- state records (issue 3) ----------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def math_trained_path(tmp_path_factory, tokenizer, world):
+    """A `test`-size Qwen3 trained briefly on math text only, so it has preferences of its own (a random-init model
+    predicts near-uniformly, which hides off-policy gaps). A few seconds of plain teacher forcing."""
+    path = tmp_path_factory.mktemp("math_trained")
+    model = build_model("test", tokenizer, seed=0)
+    texts = [format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in world.math("train", n=320, seed=1)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    torch.manual_seed(0)
+    for step in range(40):
+        batch = tokenizer(
+            texts[step * 8 % 320 : step * 8 % 320 + 8], return_tensors="pt", padding=True, padding_side="right"
+        )
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def kb_dataset(world):
+    """Knowledge-base questions in the plain prompt-completion layout: another task than math."""
+    rows = world.kb("test")[:64]
+    return Dataset.from_list(
+        [{"prompt": format_plain(r["question"]), "completion": " " + r["choices"][r["answer"]]} for r in rows]
+    )

@@ -1,0 +1,214 @@
+import json
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_statelens.cli import main as statelens
+from trl_statelens.lab import (
+    LabWorld,
+    build_model,
+    build_tokenizer,
+    check_math_answer,
+    format_plain,
+    pretrain,
+    score_multiple_choice,
+)
+from trl_statelens.lab.world import EQUATION
+
+
+# ----- the world ---------------------------------------------------------------------------------------------------
+def test_every_math_answer_equals_its_own_worked_steps(world):
+    rows = world.math("train", n=500) + world.math("test") + world.math("dev")
+    for row in rows:
+        final = int(row["answer"].rsplit("#### ", 1)[1])
+        assert check_math_answer(row["answer"]) == final
+        # independent recomputation from the question's own numbers, step by step
+        steps = EQUATION.findall(row["answer"])
+        assert steps[0][0] in row["question"].split()[2]  # the starting amount is the question's first number
+        assert len(steps) == row["question"].count(".") - 1  # one worked step per action sentence
+
+
+@pytest.mark.parametrize(
+    "corruption",
+    [lambda a: a.replace("#### ", "#### 1"), lambda a: a.replace(" = ", " = 1", 1)],
+)
+def test_check_math_answer_rejects_a_wrong_solution(world, corruption):
+    answer = world.math("test")[0]["answer"]
+    with pytest.raises(ValueError):
+        check_math_answer(corruption(answer))
+
+
+def test_math_knobs_control_steps_and_ranges():
+    world = LabWorld(seed=3, math_steps=(2, 2), max_start=9, max_operand=5)
+    for row in world.math("train", n=200):
+        steps = EQUATION.findall(row["answer"])
+        assert len(steps) == 2
+        assert int(steps[0][0]) <= 9
+        assert all(int(b) <= 5 for _, op, b, _ in steps if op != "*")
+
+
+def test_same_seed_same_world_other_seed_other_world():
+    a, b, c = LabWorld(seed=7), LabWorld(seed=7), LabWorld(seed=8)
+    for split_of in (
+        lambda w: w.math("train", n=50),
+        lambda w: w.math("test"),
+        lambda w: w.kb("test"),
+        lambda w: w.truth("test"),
+    ):
+        assert split_of(a) == split_of(b)
+        assert split_of(a) != split_of(c)
+    rng_a, rng_b = random.Random(1), random.Random(1)
+    assert [a.corpus_document(rng_a) for _ in range(50)] == [b.corpus_document(rng_b) for _ in range(50)]
+
+
+def test_train_and_test_splits_are_disjoint(world):
+    test_q = {r["question"] for r in world.math("test")}
+    dev_q = {r["question"] for r in world.math("dev")}
+    train_q = {r["question"] for r in world.math("train", n=5000)}
+    assert len(test_q) == world.math_test_size and not test_q & dev_q
+    assert not train_q & (test_q | dev_q)
+    rng = random.Random(0)
+    corpus = "\n".join(world.corpus_document(rng) for _ in range(3000))
+    assert not any(q in corpus for q in test_q | dev_q)
+    for task in (world.kb, world.truth):
+        dev = {r["question"] for r in task("dev")}
+        test = {r["question"] for r in task("test")}
+        assert dev and test and not dev & test
+
+
+def test_retention_rows_have_hub_layouts(world):
+    kb = world.kb("test")[0]
+    assert set(kb) == {"question", "subject", "choices", "answer"} and len(kb["choices"]) == 4
+    truth = world.truth("test")[0]
+    assert sum(truth["mc1_targets"]["labels"]) == 1 and len(truth["mc1_targets"]["choices"]) == 4
+    assert sum(truth["mc2_targets"]["labels"]) == 2
+    # every fact a retention question asks is stated in the pretraining corpus
+    facts = " ".join(world.kb_facts)
+    for row in world.kb("test"):
+        assert row["choices"][row["answer"]] in facts
+
+
+# ----- tokenizer ---------------------------------------------------------------------------------------------------
+def test_tokenizer_round_trips_the_worlds_text(world, tokenizer):
+    rng = random.Random(5)
+    texts = [world.corpus_document(rng) for _ in range(300)]
+    texts += [format_plain(r["question"], r["answer"]) for r in world.math("test")[:50]]
+    for text in texts:
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.tokenize(" 305")[-3:] == ["3", "0", "5"]  # digits are single tokens
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def test_tokenizer_reloads_with_auto_tokenizer(tokenizer_path, tokenizer):
+    reloaded = AutoTokenizer.from_pretrained(tokenizer_path)
+    text = format_plain("Ava has 3 apples.", "Ava starts with 3 apples.")
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert reloaded.chat_template == tokenizer.chat_template
+
+
+def test_chat_template_marks_exactly_the_assistant_tokens(tokenizer):
+    messages = [
+        {"role": "user", "content": "Ava has 3 apples. How many apples does Ava have now?"},
+        {"role": "assistant", "content": "Ava starts with 3 apples.\n#### 3"},
+        {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": "#### 4"},
+    ]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    marked = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert marked == "Ava starts with 3 apples.\n#### 3<|im_end|>#### 4<|im_end|>"
+    # the generation prompt is a prefix of the conversation, as SFT and GRPO need
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages, tokenize=False).startswith(prompt)
+
+
+# ----- models ------------------------------------------------------------------------------------------------------
+def test_models_match_the_tokenizer_and_reload(tokenizer, student_path):
+    model = AutoModelForCausalLM.from_pretrained(student_path)
+    assert model.config.model_type == "qwen3" and model.config.vocab_size == len(tokenizer)
+    assert model.config.head_dim == model.config.hidden_size // 4
+    lab = build_model("lab", tokenizer)
+    assert 1e6 <= sum(p.numel() for p in lab.parameters()) <= 5e6
+    with pytest.raises(ValueError, match="unknown model size"):
+        build_model("huge", tokenizer)
+
+
+# ----- pretraining -------------------------------------------------------------------------------------------------
+SMALL_WORLD = dict(seed=0, num_entities=8, num_myths=8, math_test_size=8, math_dev_size=8)
+
+
+@pytest.mark.slow
+def test_pretraining_lowers_loss_and_learns_the_retention_facts(tmp_path):
+    world = LabWorld(**SMALL_WORLD)
+    tokenizer = build_tokenizer(world, num_documents=1000)
+    model = build_model("test", tokenizer)
+    before = score_multiple_choice(model, tokenizer, world.kb("test") + world.truth("test"))
+    result = pretrain(
+        model,
+        tokenizer,
+        world,
+        tmp_path,
+        max_steps=240,
+        batch_size=16,
+        block=128,
+        lr=5e-3,
+        eval_every=40,
+        min_steps=10**6,
+        log=lambda _: None,
+    )
+    losses = [h["loss"] for h in result["history"]]
+    assert losses[0] < 0.6 * math.log(len(tokenizer))  # far below a uniform guess after 40 steps
+    assert losses[-1] < 0.8 * losses[0]  # and still falling
+    after = score_multiple_choice(model, tokenizer, world.kb("test") + world.truth("test"))
+    # 4-way choices: chance is 0.25
+    assert after > 0.5 and after > before
+
+
+@pytest.mark.slow
+def test_pretraining_resumes_where_it_stopped(tmp_path):
+    world = LabWorld(**SMALL_WORLD)
+    tokenizer = build_tokenizer(world, num_documents=500)
+    kwargs = dict(max_steps=12, batch_size=4, block=64, eval_every=6, min_steps=10**6)
+
+    uninterrupted = build_model("test", tokenizer)
+    pretrain(uninterrupted, tokenizer, world, tmp_path / "a", log=lambda _: None, **kwargs)
+
+    def crash_after_first_checkpoint(message):
+        if message.startswith("step 6"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(
+            build_model("test", tokenizer),
+            tokenizer,
+            world,
+            tmp_path / "b",
+            log=crash_after_first_checkpoint,
+            **kwargs,
+        )
+    resumed = build_model("test", tokenizer, seed=123)  # different init: everything must come from the checkpoint
+    messages = []
+    pretrain(resumed, tokenizer, world, tmp_path / "b", log=messages.append, **kwargs)
+    assert messages[0] == "resuming pretraining at step 6"
+    for a, b in zip(uninterrupted.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_statelens_lab_build_and_info(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STATELENS_HOME", str(tmp_path))
+    assert statelens(["lab", "info"]) == 1
+    assert "no lab built" in capsys.readouterr().out
+    assert statelens(["lab", "build", "--size", "test", "--max-steps", "20"]) == 0
+    assert "lab ready at" in capsys.readouterr().out
+    root = tmp_path / "lab" / "seed0"
+    info = json.loads((root / "info.json").read_text())
+    assert info["pretrain_steps"] == 20 and set(info["test_scores"]) == {"math", "kb", "truth"}
+    assert AutoModelForCausalLM.from_pretrained(root / "base").config.model_type == "qwen3"
+    assert AutoTokenizer.from_pretrained(root / "base").eos_token == "<|endoftext|>"
+    assert sum(1 for _ in open(root / "data" / "math" / "test.jsonl")) == 300
+    assert statelens(["lab", "info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["test_scores"] == info["test_scores"]

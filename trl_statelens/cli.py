@@ -1,0 +1,86 @@
+"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _lab_build(args: argparse.Namespace) -> int:
+    from .lab import build_lab, lab_info
+
+    root = build_lab(seed=args.seed, size=args.size, force=args.force, max_steps=args.max_steps)
+    info = lab_info(args.seed)
+    print(f"lab ready at {root}")
+    _print_info(info)
+    return 0
+
+
+def _lab_info(args: argparse.Namespace) -> int:
+    from .lab import lab_dir, lab_info
+
+    info = lab_info(args.seed)
+    if info is None:
+        print(f"no lab built at {lab_dir(args.seed)}: run `statelens lab build --seed {args.seed}`")
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"lab at {lab_dir(args.seed)}")
+        _print_info(info)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .evaluation import run_eval_cli
+
+    run_eval_cli(args)
+    return 0
+
+
+def _print_info(info: dict) -> None:
+    scores = info["test_scores"]
+    print(
+        f"  base model: {info['size']} Qwen3, {info['parameters'] / 1e6:.2f}M parameters, "
+        f"{info['pretrain_steps']} pretraining steps, built in {info['build_seconds']:.0f} s"
+    )
+    print(
+        f"  test scores: math {scores['math']:.3f}  kb (MMLU analog) {scores['kb']:.3f}  "
+        f"truth (TruthfulQA analog) {scores['truth']:.3f}  in band: {info['in_band']}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="statelens", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    lab = commands.add_parser("lab", help="the offline lab world").add_subparsers(dest="lab_command", required=True)
+    build = lab.add_parser("build", help="build the lab data, tokenizer and pretrained base model (cached)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--size", default="lab", help="model size: 'lab' (default) or 'test'")
+    build.add_argument("--max-steps", type=int, default=1200, help="pretraining step limit")
+    build.add_argument("--force", action="store_true", help="rebuild even if a cached lab exists")
+    build.set_defaults(func=_lab_build)
+    info = lab.add_parser("info", help="print what is cached and the base model's measured scores")
+    info.add_argument("--seed", type=int, default=0)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=_lab_info)
+
+    from .evaluation import add_eval_arguments
+
+    evaluate = commands.add_parser("eval", help="evaluate a model on gsm8k, truthfulqa and mmlu (or the lab's tasks)")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Build the lab: data files, tokenizer and a pretrained base model, cached under ``$STATELENS_HOME/lab``.
+
+The base model is pretrained on raw text of the world (no chat format) until its math accuracy on a held-out dev
+split enters a band that leaves room for post-training, while its retention tasks are near-perfect.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .model import build_model
+from .tokenizer import build_tokenizer
+from .world import LabWorld, format_plain
+
+MATH_BAND = (0.10, 0.40)  # base-model math accuracy that leaves room for post-training
+RETENTION_MIN = 0.90
+MATH_NEW_TOKENS = 128
+_FINAL = re.compile(r"#### (-?\d+)")
+
+
+def _say(message: str) -> None:
+    tqdm.write(message)  # keeps progress bars intact
+    sys.stdout.flush()  # and reaches a redirected log at once
+
+
+def lab_home() -> Path:
+    """Where the lab is cached: ``$STATELENS_HOME/lab`` (default ``~/.cache/trl_statelens/lab``)."""
+    root = os.environ.get("STATELENS_HOME") or Path.home() / ".cache" / "trl_statelens"
+    return Path(root) / "lab"
+
+
+def lab_dir(seed: int = 0) -> Path:
+    return lab_home() / f"seed{seed}"
+
+
+# ----- the lab's own scorers (the evaluation module checks itself against these) -------------------------------
+@torch.no_grad()
+def score_math(model, tokenizer, rows: list[dict], batch_size: int = 100) -> float:
+    """Greedy accuracy: the number after ``####`` in the generation equals the gold one."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i : i + batch_size]
+        enc = tokenizer(
+            [format_plain(r["question"]) for r in batch], return_tensors="pt", padding=True, padding_side="left"
+        )
+        out = model.generate(**enc, max_new_tokens=MATH_NEW_TOKENS, do_sample=False)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        for row, text in zip(batch, texts):
+            found = _FINAL.search(text.split("Question:")[0])
+            correct += found is not None and found.group(1) == _FINAL.search(row["answer"]).group(1)
+    return correct / len(rows)
+
+
+@torch.no_grad()
+def choice_logprobs(model, tokenizer, prompt: str, choices: list[str]) -> torch.Tensor:
+    """Summed log-probability of each ``" " + choice`` after ``prompt``, one forward pass for all choices."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    seqs = [tokenizer(prompt + " " + c)["input_ids"] for c in choices]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for j, s in enumerate(seqs):
+        ids[j, : len(s)] = torch.tensor(s)
+        mask[j, : len(s)] = 1
+    logps = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float().log_softmax(-1)
+    token_logps = logps.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    scored = torch.zeros_like(token_logps)
+    for j, s in enumerate(seqs):
+        scored[j, len(prompt_ids) - 1 : len(s) - 1] = 1
+    return (token_logps * scored).sum(-1)
+
+
+@torch.no_grad()
+def score_multiple_choice(model, tokenizer, rows: list[dict]) -> float:
+    """Accuracy of picking the true choice by log-likelihood, for kb rows and truth rows (MC1)."""
+    model.eval()
+    correct = 0
+    for row in rows:
+        if "mc1_targets" in row:
+            choices, labels = row["mc1_targets"]["choices"], row["mc1_targets"]["labels"]
+            gold = labels.index(1)
+        else:
+            choices, gold = row["choices"], row["answer"]
+        correct += int(choice_logprobs(model, tokenizer, format_plain(row["question"]), choices).argmax()) == gold
+    return correct / len(rows)
+
+
+def evaluate_base(model, tokenizer, world: LabWorld, split: str = "test") -> dict:
+    return {
+        "math": score_math(model, tokenizer, world.math(split)),
+        "kb": score_multiple_choice(model, tokenizer, world.kb("test")),
+        "truth": score_multiple_choice(model, tokenizer, world.truth("test")),
+    }
+
+
+# ----- pretraining -------------------------------------------------------------------------------------------
+def _token_stream(world: LabWorld, tokenizer, rng: random.Random, block: int, buffer: list[int]):
+    """Packed blocks of ``block + 1`` tokens from an endless stream of corpus documents separated by eos."""
+    while True:
+        while len(buffer) < block + 1:
+            buffer.extend(tokenizer(world.corpus_document(rng))["input_ids"] + [tokenizer.eos_token_id])
+        chunk = buffer[: block + 1]
+        del buffer[:block]  # before yielding, so a checkpoint taken between batches never replays a block
+        yield chunk
+
+
+def pretrain(
+    model,
+    tokenizer,
+    world: LabWorld,
+    out_dir: Path,
+    max_steps: int = 1200,
+    batch_size: int = 32,
+    block: int = 256,
+    lr: float = 3e-3,
+    eval_every: int = 50,
+    min_steps: int = 200,
+    math_target: float = 0.2,
+    seed: int = 0,
+    log=_say,
+) -> dict:
+    """Pretrain on the world's raw text; stop at the first dev evaluation (from ``min_steps`` on) whose math
+    accuracy reaches ``math_target`` with retention above ``RETENTION_MIN``.
+
+    Resumable: a checkpoint (weights, optimizer, data stream and RNG state) is written to ``out_dir/ckpt.pt``
+    at every evaluation, and a restart continues from it. Returns the history of dev evaluations.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "ckpt.pt"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = 30
+
+    def lr_at(step):  # linear warmup, then cosine to 10% over max_steps
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))))
+
+    rng, buffer, step, history = random.Random(f"{world.seed}-pretrain-{seed}"), [], 0, []
+    torch.manual_seed(seed)
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"])
+        buffer, step, history = state["buffer"], state["step"], state["history"]
+        torch.set_rng_state(state["torch_rng"])
+        log(f"resuming pretraining at step {step}")
+    stream = _token_stream(world, tokenizer, rng, block, buffer)
+    bar = tqdm(total=max_steps, initial=step, desc="pretraining lab base", unit="step")
+    tokens_seen, started = 0, time.perf_counter()
+    while step < max_steps:
+        model.train()
+        batch = torch.tensor([next(stream) for _ in range(batch_size)])
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
+        # HF shifts labels internally, so feed the block without its last token and let it predict within it.
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += batch[:, :-1].numel()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
+        if step % eval_every == 0 or step == max_steps:
+            scores = {"step": step, "loss": loss.item(), **evaluate_base(model, tokenizer, world, split="dev")}
+            history.append(scores)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "rng": rng.getstate(),
+                    "buffer": buffer,
+                    "step": step,
+                    "history": history,
+                    "torch_rng": torch.get_rng_state(),
+                },
+                ckpt_path,
+            )
+            log(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if k != "step"))
+            if (
+                step >= min_steps
+                and scores["math"] >= math_target
+                and min(scores["kb"], scores["truth"]) >= RETENTION_MIN
+            ):
+                break
+    bar.close()
+    return {"steps": step, "history": history}
+
+
+# ----- the whole build -----------------------------------------------------------------------------------------
+def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, **pretrain_kwargs) -> Path:
+    """Build (or reuse) the lab under ``lab_dir(seed)``: ``data/``, ``tokenizer/``, ``base/`` and ``info.json``."""
+    root = lab_dir(seed)
+    info_path = root / "info.json"
+    if info_path.exists() and not force:
+        log(f"lab already built at {root} (use --force to rebuild)")
+        return root
+    started = time.perf_counter()
+    world = LabWorld(seed=seed)
+    log(f"writing data to {root / 'data'}")
+    write_data(world, root / "data")
+    log("training tokenizer")
+    tokenizer = build_tokenizer(world)
+    tokenizer.save_pretrained(root / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    model = build_model(size, tokenizer, seed=seed)
+    log(f"pretraining a {size} Qwen3 with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    result = pretrain(model, tokenizer, world, root / "pretrain", seed=seed, log=log, **pretrain_kwargs)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(root / "base")  # score exactly what downstream code will load
+    scores = evaluate_base(model, tokenizer, world, split="test")
+    info = {
+        "seed": seed,
+        "size": size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "pretrain_steps": result["steps"],
+        "test_scores": scores,
+        "dev_history": result["history"],
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "math_band": MATH_BAND,
+        "in_band": MATH_BAND[0] <= scores["math"] <= MATH_BAND[1]
+        and min(scores["kb"], scores["truth"]) >= RETENTION_MIN,
+    }
+    info_path.write_text(json.dumps(info, indent=2))
+    if not info["in_band"]:
+        log(
+            f"WARNING: base scores {scores} are outside the intended band (math in {MATH_BAND}, retention >= "
+            f"{RETENTION_MIN}); post-training results on this lab may say little. Rebuild with another --seed."
+        )
+    return root
+
+
+def write_data(world: LabWorld, out: Path, math_train_size: int = 2000) -> None:
+    """The world's splits as JSONL files, loadable like any local data set (``load_dataset("json", ...)``)."""
+    splits = {
+        "math/train.jsonl": world.math("train", n=math_train_size),
+        "math/test.jsonl": world.math("test"),
+        "math/dev.jsonl": world.math("dev"),
+        "kb/dev.jsonl": world.kb("dev"),
+        "kb/test.jsonl": world.kb("test"),
+        "truth/dev.jsonl": world.truth("dev"),
+        "truth/test.jsonl": world.truth("test"),
+    }
+    for name, rows in splits.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def lab_info(seed: int = 0) -> dict | None:
+    path = lab_dir(seed) / "info.json"
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,39 @@
+"""Tiny ``Qwen3ForCausalLM`` models built from a config: the same architecture as Qwen3-0.6B-Base, scaled down."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+# name -> (hidden_size, num_hidden_layers, intermediate_size). Heads: 4 query, 2 key/value, as in Qwen3's GQA.
+MODEL_SIZES = {
+    "test": (64, 2, 128),  # about 0.1M parameters: builds and trains a few steps in seconds
+    "lab": (128, 4, 512),  # about 1.1M parameters: pretrained into the lab base model in minutes
+}
+
+
+def build_model(size: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 of the named size whose vocabulary and special ids match ``tokenizer``."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}: choose one of {sorted(MODEL_SIZES)}")
+    hidden, layers, ffn = MODEL_SIZES[size]
+    eos_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,  # Qwen3Config defaults to 128, far too wide for these models
+        max_position_embeddings=tokenizer.model_max_length,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    # Stop at the end of a document (plain format) or of an assistant turn (chat format), as Qwen3 does.
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+    return model
