@@ -1,0 +1,456 @@
+"""Evaluation tasks, retention summary, the training callback and the eval CLI.
+
+Models here are stubs whose outputs the test controls, or tiny random Qwen3 models on the lab tokenizer; every
+score is checked against a known answer or against the lab's own scorers.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_statelens.evaluation import (
+    GSM8KTask,
+    MMLUTask,
+    RetentionEvalCallback,
+    TruthfulQATask,
+    add_eval_arguments,
+    continuation_logprobs,
+    evaluate_model,
+    make_task,
+    parse_limit,
+    read_truthfulqa_rows,
+    retention_summary,
+    run_eval_cli,
+    truthfulqa_rows_from_csv,
+)
+from trl_statelens.lab import LabWorld, build_model, lab_info, score_math, score_multiple_choice
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+# ----- stubs ------------------------------------------------------------------------------------------------------
+class WordTokenizer:
+    """One id per whitespace-separated word, assigned on first sight (id 0 is padding)."""
+
+    pad_token_id = eos_token_id = 0
+    bos_token_id = None
+    pad_token = eos_token = "<pad>"
+
+    def __init__(self):
+        self.vocab = {"<pad>": 0}
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [self.vocab.setdefault(word, len(self.vocab)) for word in text.split()]}
+
+    def ids(self, texts):
+        return {i for text in texts for i in self(text)["input_ids"]}
+
+
+class PreferringModel(torch.nn.Module):
+    """Logits that ignore the input: the ``preferred`` tokens share all probability, every other token gets e^-1000 (zero in fp32)."""
+
+    def __init__(self, preferred: set[int], vocab_size: int = 256):
+        super().__init__()
+        self.bias = torch.full((vocab_size,), -1000.0)
+        self.bias[sorted(preferred)] = 0.0
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.bias.expand(*input_ids.shape, -1).clone())
+
+
+TRUTH_ROWS = [
+    {
+        "question": "What do cats eat?",
+        "mc1_targets": {"choices": ["Cats eat rocks.", "Cats eat fish.", "Cats eat clouds."], "labels": [0, 1, 0]},
+        "mc2_targets": {
+            "choices": ["Cats eat fish.", "Cats mostly eat fish.", "Cats eat rocks.", "Cats eat clouds."],
+            "labels": [1, 1, 0, 0],
+        },
+    },
+    {
+        "question": "Where do owls sleep?",
+        "mc1_targets": {"choices": ["Owls sleep in trees.", "Owls sleep underwater."], "labels": [1, 0]},
+        "mc2_targets": {"choices": ["Owls sleep in trees.", "Owls sleep underwater."], "labels": [1, 0]},
+    },
+]
+
+
+def answer_texts(rows, label):
+    return [c for r in rows for c, lab in zip(r["mc2_targets"]["choices"], r["mc2_targets"]["labels"]) if lab == label]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These models are tiny: a second thread only adds synchronisation, which costs 10-50x on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def lab_tokenizer(tokenizer):
+    """The lab tokenizer of ``conftest.py`` (session-scoped, built once for the whole suite)."""
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(student_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(student_path).eval()
+
+
+# ----- retention summary ------------------------------------------------------------------------------------------
+BASE = {"truthfulqa": 0.300, "mmlu": 0.436}
+
+
+@pytest.mark.parametrize(
+    "truthfulqa, mmlu, forgetting, retention",
+    [
+        (0.295, 0.444, -0.0015, 1.0008),  # mild SFT
+        (0.245, 0.364, 0.0635, 0.8258),  # stress SFT
+        (0.290, 0.434, 0.0060, 0.9810),  # OPD from mild SFT
+        (0.275, 0.430, 0.0155, 0.9515),  # OPD from stress SFT
+        (0.290, 0.442, 0.0020, 0.9902),  # on-policy RL
+    ],
+)
+def test_retention_summary_reproduces_the_study_table(truthfulqa, mmlu, forgetting, retention):
+    summary = retention_summary(BASE, {"truthfulqa": truthfulqa, "mmlu": mmlu, "gsm8k": 0.5})
+    assert round(summary["forgetting"], 4) == pytest.approx(forgetting, abs=1e-12)
+    assert round(summary["retention"], 4) == pytest.approx(retention, abs=1e-12)
+
+
+def test_retention_summary_uses_tasks_present_in_both_and_accepts_results_dicts():
+    summary = retention_summary({"scores": {"truthfulqa": 0.4, "mmlu": 0.5}}, {"scores": {"truthfulqa": 0.2}})
+    assert summary == pytest.approx({"forgetting": 0.2, "retention": 0.5})
+    with pytest.raises(ValueError, match="no retention task"):
+        retention_summary({"gsm8k": 0.4}, {"gsm8k": 0.3})
+    with pytest.raises(ValueError, match="undefined"):
+        retention_summary({"mmlu": 0.0}, {"mmlu": 0.3})
+
+
+# ----- TruthfulQA -------------------------------------------------------------------------------------------------
+def test_real_truthfulqa_csv_loads_817_questions_with_mc1_and_mc2():
+    folder = SHARED_DATA / "truthfulqa"
+    if not (folder / "TruthfulQA.csv").is_file():
+        pytest.skip("TruthfulQA.csv not present in ../shared/data/truthfulqa")
+    task = TruthfulQATask(folder)
+    rows = task.rows()
+    assert len(rows) == 817
+    for row in rows:
+        assert row["mc1_targets"]["labels"].count(1) == 1 and 0 in row["mc1_targets"]["labels"]
+        assert 1 in row["mc2_targets"]["labels"] and 0 in row["mc2_targets"]["labels"]
+        assert row["mc1_targets"]["choices"][0] in row["mc2_targets"]["choices"]
+    assert len(TruthfulQATask(folder, limit=200, seed=0).rows()) == 200
+
+
+def test_truthfulqa_csv_rows_become_multiple_choice_targets():
+    row = {
+        "Question": "What happens if you eat watermelon seeds?",
+        "Best Answer": "The seeds pass through you",
+        "Correct Answers": "Nothing happens; The seeds pass through you",
+        "Incorrect Answers": "You grow watermelons in your stomach; You die",
+    }
+    (converted,) = truthfulqa_rows_from_csv([row])
+    assert converted["mc1_targets"] == {
+        "choices": ["The seeds pass through you.", "You grow watermelons in your stomach.", "You die."],
+        "labels": [1, 0, 0],
+    }
+    assert converted["mc2_targets"]["labels"] == [1, 1, 0, 0]
+    assert converted["mc2_targets"]["choices"][:2] == ["Nothing happens.", "The seeds pass through you."]
+
+
+def test_truthfulqa_model_preferring_true_answers_scores_1_and_false_answers_0(tmp_path):
+    path = tmp_path / "truth.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRUTH_ROWS))
+    tokenizer = WordTokenizer()
+    true_ids, false_ids = tokenizer.ids(answer_texts(TRUTH_ROWS, 1)), tokenizer.ids(answer_texts(TRUTH_ROWS, 0))
+    task = TruthfulQATask(path)
+    truthful = task.evaluate(PreferringModel(true_ids), tokenizer, progress=False)["metrics"]
+    assert truthful["mc1"] == 1.0 and truthful["mc1_norm"] == 1.0
+    assert truthful["mc2"] == pytest.approx(1.0, abs=1e-6) and truthful["mc2_norm"] == pytest.approx(1.0, abs=1e-6)
+    liar = task.evaluate(PreferringModel(false_ids), tokenizer, progress=False)["metrics"]
+    assert liar["mc1"] == 0.0 and liar["mc1_norm"] == 0.0
+    assert liar["mc2"] == pytest.approx(0.0, abs=1e-6) and liar["mc2_norm"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ----- MMLU -------------------------------------------------------------------------------------------------------
+def mmlu_rows(answers_by_subject):
+    return [
+        {"question": f"Which {i} is it?", "subject": subject, "choices": ["w", "x", "y", "z"], "answer": answer}
+        for subject, answers in answers_by_subject.items()
+        for i, answer in enumerate(answers)
+    ]
+
+
+def test_mmlu_letter_scoring_per_subject_and_micro_average(tmp_path):
+    folder = tmp_path / "mmlu"
+    folder.mkdir()
+    rows = mmlu_rows({"astronomy": [1, 1, 1], "virology": [0]})
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = WordTokenizer()
+    always_b = PreferringModel(tokenizer.ids(["B"]))
+    result = MMLUTask(folder).evaluate(always_b, tokenizer, progress=False)
+    assert result["metrics"]["accuracy"] == 0.75
+    assert result["metrics"]["accuracy_macro"] == 0.5
+    assert result["subjects"] == {"astronomy": 1.0, "virology": 0.0}
+    assert [r["prediction"] for r in result["records"]] == [1, 1, 1, 1]
+
+
+def test_mmlu_k_shot_uses_dev_rows_of_the_same_subject(tmp_path):
+    folder = tmp_path / "mmlu"
+    folder.mkdir()
+    (folder / "test.jsonl").write_text(json.dumps(mmlu_rows({"virology": [2]})[0]) + "\n")
+    dev = [
+        {"question": "Dev astro?", "subject": "astronomy", "choices": list("abcd"), "answer": "A"},
+        {"question": "Dev viro?", "subject": "virology", "choices": list("abcd"), "answer": "D"},
+    ]
+    task = MMLUTask(folder, num_shots=1)
+    with pytest.raises(ValueError, match="no 'dev' split"):
+        task.context(task.rows()[0])
+    (folder / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev))
+    context = MMLUTask(folder, num_shots=1).context(task.rows()[0])
+    assert context.startswith("The following are multiple choice questions (with answers) about virology.\n\n")
+    assert "Dev viro?\nA. a\nB. b\nC. c\nD. d\nAnswer: D\n\nWhich 0 is it?" in context
+    assert "Dev astro?" not in context and context.endswith("D. z\nAnswer:")
+
+
+def test_mmlu_lab_continuation_scoring_equals_the_lab_scorer(lab_tokenizer, tiny_model):
+    from trl_statelens.lab.build import choice_logprobs as lab_choice_logprobs
+
+    task = MMLUTask("lab", limit=24, batch_size=7)
+    assert task.scoring == "continuation"
+    result = task.evaluate(tiny_model, lab_tokenizer, progress=False)
+    assert result["metrics"]["accuracy"] == score_multiple_choice(tiny_model, lab_tokenizer, task.rows())
+    for row, record in list(zip(task.rows(), result["records"]))[:4]:
+        expected = lab_choice_logprobs(
+            tiny_model, lab_tokenizer, f"Question: {row['question']}\nAnswer:", row["choices"]
+        )
+        assert record["logprobs"] == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_truthfulqa_lab_mc1_equals_the_lab_scorer(lab_tokenizer, tiny_model):
+    task = TruthfulQATask("lab", limit=20, batch_size=16)
+    assert task.split == "test"
+    metrics = task.evaluate(tiny_model, lab_tokenizer, progress=False)["metrics"]
+    assert metrics["mc1"] == score_multiple_choice(tiny_model, lab_tokenizer, task.rows())
+    assert 0.0 <= metrics["mc2"] <= 1.0
+
+
+def test_log_likelihoods_do_not_depend_on_batching_or_padding(lab_tokenizer, tiny_model):
+    requests = [
+        ("Question: What is the capital of Kalo?\nAnswer:", " Mirupe"),
+        ("Question: Hi\nAnswer:", " 7"),
+        ("Question: Where do Zovas live?\nAnswer:", " Zovas live in caves near the big hills."),
+    ]
+    one_by_one = continuation_logprobs(tiny_model, lab_tokenizer, requests, batch_size=1, progress=False)
+    batched = continuation_logprobs(tiny_model, lab_tokenizer, requests, batch_size=3, progress=False)
+    assert [n for _, n in batched] == [n for _, n in one_by_one] and all(n > 0 for _, n in batched)
+    assert [s for s, _ in batched] == pytest.approx([s for s, _ in one_by_one], abs=1e-4)
+
+
+# ----- GSM8K ------------------------------------------------------------------------------------------------------
+class GoldAnsweringModel(torch.nn.Module):
+    """``generate`` answers lab problems in the ``answered`` set correctly, the others wrongly, then rambles on."""
+
+    def __init__(self, tokenizer, world_rows, answered):
+        super().__init__()
+        self.tokenizer, self.answered = tokenizer, answered
+        self.solutions = {r["question"]: r["answer"] for r in world_rows}
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=16, **kwargs):
+        texts = []
+        for prompt in self.tokenizer.batch_decode(input_ids, skip_special_tokens=True):
+            question = prompt.split("Question: ")[-1].split("\nAnswer:")[0]
+            answer = self.solutions[question] if question in self.answered else "I think so.\n#### 100000"
+            texts.append(" " + answer + "\n\nQuestion: Ava has 3 cards. How many?\nAnswer: 3\n#### 3")
+        new = [self.tokenizer(t)["input_ids"] for t in texts]
+        width = max(map(len, new))
+        pad = self.tokenizer.pad_token_id
+        new_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids in new])
+        return torch.cat([input_ids, new_ids], dim=1)
+
+
+def test_gsm8k_lab_accuracy_matches_the_lab_scorer_on_a_stub(lab_tokenizer):
+    task = GSM8KTask("lab", limit=12, batch_size=5)
+    rows = [{"question": e["question"], "answer": e["answer"]} for e in task.examples()]
+    answered = {r["question"] for r in rows[::3]}
+    model = GoldAnsweringModel(lab_tokenizer, LabWorld(seed=0).math("test"), answered)
+    result = task.evaluate(model, lab_tokenizer, progress=False)
+    assert result["metrics"]["accuracy_strict"] == score_math(model, lab_tokenizer, rows) == 4 / 12
+    assert result["metrics"]["accuracy_flexible"] == 4 / 12
+    assert [r["correct_strict"] for r in result["records"]] == [r["question"] in answered for r in rows]
+    assert all("Question:" not in r["output"] for r in result["records"])
+
+
+def test_gsm8k_generation_on_a_real_tiny_model(lab_tokenizer, tiny_model):
+    task = GSM8KTask("lab", limit=6, batch_size=6, max_new_tokens=24)
+    result = task.evaluate(tiny_model, lab_tokenizer, progress=False)
+    rows = [{"question": e["question"], "answer": e["answer"]} for e in task.examples()]
+    assert result["metrics"]["num_items"] == 6
+    assert result["metrics"]["accuracy_strict"] == score_math(tiny_model, lab_tokenizer, rows)
+    assert all(isinstance(r["output"], str) and "Question:" not in r["output"] for r in result["records"])
+
+
+# ----- running, writing, CLI, callback ----------------------------------------------------------------------------
+def test_hub_ids_load_with_their_configs_and_splits(monkeypatch):
+    from datasets import Dataset
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        rows = TRUTH_ROWS if "truthful" in path else mmlu_rows({"anatomy": [0, 3]})
+        return Dataset.from_list(rows)
+
+    monkeypatch.setattr("datasets.load_dataset", fake_load_dataset)
+    assert len(TruthfulQATask().rows()) == 2
+    assert MMLUTask(num_shots=1).shots("anatomy")[0]["answer"] == 0
+    assert calls == [("truthfulqa/truthful_qa", "multiple_choice", "validation"), ("cais/mmlu", "all", "dev")]
+
+
+def test_make_task_and_limits_reject_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="unknown task 'hellaswag'"):
+        make_task("hellaswag")
+    with pytest.raises(ValueError, match="has no mmlu/ folder"):
+        make_task("mmlu", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown MMLU scoring"):
+        MMLUTask("lab", scoring="cloze")
+    assert parse_limit("study") == {"gsm8k": 500, "mmlu": 500, "truthfulqa": 200}
+    assert parse_limit("gsm8k=5,mmlu=7") == {"gsm8k": 5, "mmlu": 7} and parse_limit("9") == 9
+    with pytest.raises(ValueError, match="--limit takes N"):
+        parse_limit("all")
+    with pytest.raises(ValueError, match="unknown task"):
+        parse_limit("arc=5")
+    with pytest.raises(ValueError, match="columns"):
+        path = tmp_path / "truth.jsonl"
+        path.write_text(json.dumps({"question": "q"}) + "\n")
+        read_truthfulqa_rows(str(path), "validation")
+
+
+def test_evaluate_model_writes_results_and_items(tmp_path, lab_tokenizer, tiny_model):
+    out = tmp_path / "results" / "base.json"
+    results = evaluate_model(
+        tiny_model,
+        ["truthfulqa", "mmlu"],
+        tokenizer=lab_tokenizer,
+        data_dir="lab",
+        limit={"truthfulqa": 3, "mmlu": 5},
+        out=out,
+        progress=False,
+    )
+    saved = json.loads(out.read_text())
+    assert saved["scores"] == results["scores"] and set(saved["scores"]) == {"truthfulqa", "mmlu"}
+    assert saved["settings"]["mmlu"]["scoring"] == "continuation" and saved["settings"]["mmlu"]["limit"] == 5
+    items = [json.loads(line) for line in (tmp_path / "results" / "base.items.jsonl").read_text().splitlines()]
+    assert [i["task"] for i in items] == ["truthfulqa"] * 3 + ["mmlu"] * 5
+    assert retention_summary(saved, results) == {"forgetting": 0.0, "retention": 1.0}
+
+
+def test_eval_cli_on_a_saved_model(tmp_path, student_path, capsys):
+    parser = add_eval_arguments(argparse.ArgumentParser())
+    argv = [
+        "--model",
+        str(student_path),
+        "--tasks",
+        "gsm8k,truthfulqa,mmlu",
+        "--data-dir",
+        "lab",
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(tmp_path / "eval.json"),
+    ]
+    results = run_eval_cli(parser.parse_args(argv))
+    assert set(results["scores"]) == {"gsm8k", "truthfulqa", "mmlu"}
+    assert json.loads((tmp_path / "eval.json").read_text())["settings"]["gsm8k"]["max_new_tokens"] == 8
+    assert "wrote" in capsys.readouterr().out
+    with_base = run_eval_cli(
+        parser.parse_args(
+            argv[:-1] + [str(tmp_path / "post.json"), "--tasks", "mmlu", "--base", str(tmp_path / "eval.json")]
+        )
+    )
+    assert with_base["retention_summary"] == {"forgetting": 0.0, "retention": 1.0}
+    with pytest.raises(ValueError, match="unknown task"):
+        run_eval_cli(parser.parse_args(argv[:-1] + [str(tmp_path / "x.json"), "--tasks", "gsm8k,arc"]))
+
+
+def test_retention_callback_logs_through_a_real_trainer(tmp_path, lab_tokenizer):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = build_model("test", lab_tokenizer, seed=1)
+    texts = [lab_tokenizer("Question: What do Kalos eat?\nAnswer: Kalos eat fish.")["input_ids"]] * 8
+    data = Dataset.from_dict({"input_ids": texts, "labels": texts})
+    callback = RetentionEvalCallback(["truthfulqa", "mmlu"], eval_steps=2, data_dir="lab", limit=8)
+    args = TrainingArguments(
+        tmp_path,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=lab_tokenizer, callbacks=[callback])
+    callback.trainer = trainer
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "eval/mmlu/accuracy" in entry]
+    assert [entry["step"] for entry in logged] == [0, 2]
+    assert {"eval/truthfulqa/mc1", "eval/truthfulqa/mc2_norm", "eval/forgetting", "eval/retention"} <= set(logged[1])
+    assert model.training  # evaluation restored train mode
+    assert len(callback.history) == 2
+
+
+def test_retention_callback_without_trainer_appends_to_log_history(lab_tokenizer, tiny_model):
+    from transformers import TrainerControl, TrainerState
+
+    callback = RetentionEvalCallback(["mmlu"], eval_steps=5, data_dir="lab", limit=4)
+    state, control = TrainerState(), TrainerControl()
+    tiny_model.train()
+    callback.on_train_begin(None, state, control, model=tiny_model, processing_class=lab_tokenizer)
+    state.global_step = 3
+    callback.on_step_end(None, state, control, model=tiny_model, processing_class=lab_tokenizer)
+    state.global_step = 5
+    callback.on_step_end(None, state, control, model=tiny_model, processing_class=lab_tokenizer)
+    tiny_model.eval()
+    assert [entry["step"] for entry in state.log_history] == [0, 5]
+    assert state.log_history[1]["eval/retention"] == 1.0
+
+
+def test_lab_base_model_matches_lab_scorers_and_retains_above_chance():
+    """Acceptance on the built lab base model; skipped until `statelens lab build` has run."""
+    info = lab_info(0)
+    if info is None:
+        pytest.skip("the lab is not built (statelens lab build)")
+    from trl_statelens.lab import lab_dir
+
+    results = evaluate_model(
+        lab_dir(0) / "base",
+        data_dir="lab",
+        limit={"gsm8k": 40, "truthfulqa": 40, "mmlu": 60},
+        task_kwargs={"gsm8k": {"max_new_tokens": 128, "batch_size": 100}},
+        progress=False,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(lab_dir(0) / "base")
+    tokenizer = AutoTokenizer.from_pretrained(lab_dir(0) / "base")
+    world = LabWorld(seed=0)
+    math_rows = {r["question"]: r for r in world.math("test")}
+    assert results["scores"]["gsm8k"] == score_math(
+        model, tokenizer, [math_rows[r["question"]] for r in results["records"]["gsm8k"]]
+    )
+    kb_rows = {r["question"]: r for r in world.kb("test")}
+    assert results["scores"]["mmlu"] == score_multiple_choice(
+        model, tokenizer, [kb_rows[r["question"]] for r in results["records"]["mmlu"]]
+    )
+    assert results["scores"]["truthfulqa"] > 0.25 and results["scores"]["mmlu"] > 0.25  # chance: 4 choices
