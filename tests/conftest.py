@@ -13,7 +13,7 @@ os.environ["TQDM_DISABLE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_statelens.lab import LabWorld, build_model, build_tokenizer, format_plain  # noqa: E402
 
@@ -72,7 +72,9 @@ def math_trained_path(tmp_path_factory, tokenizer, world):
     predicts near-uniformly, which hides off-policy gaps). A few seconds of plain teacher forcing."""
     path = tmp_path_factory.mktemp("math_trained")
     model = build_model("test", tokenizer, seed=0)
-    texts = [format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in world.math("train", n=320, seed=1)]
+    texts = [
+        format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in world.math("train", n=320, seed=1)
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     torch.manual_seed(0)
     for step in range(40):

@@ -1,0 +1,217 @@
+"""StateLoggingCallback: probe drift, the ledger across a resume, stock trainers, and how it attaches."""
+
+import json
+import logging
+
+import pytest
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
+from trl_statelens.lab import format_plain
+
+CPU = dict(
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    report_to="none",
+    logging_steps=1,
+    save_strategy="no",
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+    seed=0,
+)
+
+
+@pytest.fixture(scope="module")
+def probe_prompts(world):
+    return [format_plain(row["question"]) for row in world.math("dev", n=8)]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class LogCatcher(TrainerCallback):
+    """What report_to backends receive: the `logs` of `on_log`."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def stock_trainer(kind, tmp_path, model_path, teacher_path, tokenizer, dataset, callbacks):
+    common = dict(
+        output_dir=str(tmp_path / kind), max_steps=2, per_device_train_batch_size=2, learning_rate=0.0, **CPU
+    )
+    if kind == "sft":
+        return SFTTrainer(
+            model=str(model_path),
+            args=SFTConfig(max_length=128, **common),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
+    prompts = Dataset.from_dict({"prompt": dataset["prompt"]})
+    if kind == "grpo":
+        return GRPOTrainer(
+            model=str(model_path),
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=GRPOConfig(num_generations=2, max_completion_length=8, **common),
+            train_dataset=prompts,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
+    return DistillationTrainer(
+        model=str(model_path),
+        teacher_model=str(teacher_path),
+        args=DistillationConfig(max_completion_length=8, **common),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo", "distillation"])
+def test_stock_trainer_gets_probe_drift_only_and_zero_drift_at_lr_0(
+    kind, tmp_path, student_path, teacher_path, tokenizer, math_dataset, probe_prompts, caplog
+):
+    callback = StateLoggingCallback(probe_prompts=probe_prompts[:4], probe_steps=1, probe_max_new_tokens=12)
+    catcher = LogCatcher()
+    trainer = stock_trainer(kind, tmp_path, student_path, teacher_path, tokenizer, math_dataset, [catcher])
+    callback.trainer = trainer
+    trainer.add_callback(callback)
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.callback"):
+        trainer.train()
+    warnings = [r for r in caplog.records if "need a StateLens trainer" in r.getMessage()]
+    assert len(warnings) == 1
+    ledger = tmp_path / kind / "statelens"
+    assert not (ledger / "steps.jsonl").exists()
+    drift = read_jsonl(ledger / "drift.jsonl")
+    assert [line["step"] for line in drift] == [1, 2]
+    # The policy did not move (lr=0) and probe sampling is seeded: exactly no drift
+    for line in drift:
+        assert line["mmd"] == line["centroid"] == line["sliced_wasserstein"] == line["jaccard"] == 0.0
+    train_logs = [logs for logs in catcher.logs if "loss" in logs]
+    assert all(logs["statelens/drift/mmd"] == 0.0 for logs in train_logs)
+
+
+@pytest.mark.slow
+def test_probe_drift_grows_when_training_on_a_shifted_distribution(
+    tmp_path, math_trained_path, tokenizer, kb_dataset, probe_prompts
+):
+    """A math model fine-tuned on knowledge-base answers drifts away from its step-0 probe states."""
+    callback = StateLoggingCallback(probe_prompts=probe_prompts, probe_steps=4, probe_max_new_tokens=24)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "shift"), max_steps=8, per_device_train_batch_size=8, learning_rate=3e-3, **CPU
+    )
+    trainer = StateLensSFTTrainer(
+        model=str(math_trained_path),
+        args=args,
+        train_dataset=kb_dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    trainer.train()
+    drift = read_jsonl(tmp_path / "shift" / "statelens" / "drift.jsonl")
+    assert [line["step"] for line in drift] == [4, 8]
+    for name in ("mmd", "centroid", "sliced_wasserstein", "jaccard"):
+        assert drift[1][name] > drift[0][name] > 0, name
+
+
+@pytest.mark.slow
+def test_ledger_has_each_step_once_after_resuming(tmp_path, student_path, tokenizer, math_dataset, probe_prompts):
+    output_dir = tmp_path / "resume"
+
+    def make_trainer():
+        args = SFTConfig(
+            output_dir=str(output_dir),
+            max_steps=6,
+            per_device_train_batch_size=2,
+            learning_rate=1e-3,
+            max_length=128,
+            **{**CPU, "save_strategy": "steps"},
+            save_steps=3,
+        )
+        callback = StateLoggingCallback(
+            probe_prompts=probe_prompts[:4], probe_steps=2, probe_max_new_tokens=8, sample_rate=0.5
+        )
+        catcher = LogCatcher()
+        trainer = StateLensSFTTrainer(
+            model=str(student_path),
+            args=args,
+            train_dataset=math_dataset,
+            processing_class=tokenizer,
+            callbacks=[callback, catcher],
+        )
+        return trainer, catcher
+
+    trainer, catcher = make_trainer()
+    trainer.train()
+    ledger = output_dir / "statelens"
+    first_steps = read_jsonl(ledger / "steps.jsonl")
+    first_drift = read_jsonl(ledger / "drift.jsonl")
+    # report_to backends see the aggregates with the trainer's own metrics
+    assert all("statelens/state_nll" in logs for logs in catcher.logs if "loss" in logs)
+
+    # Resume from step 3: the first run's lines for steps 4-6 are replaced, not repeated
+    trainer, _ = make_trainer()
+    trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-3"))
+    steps = read_jsonl(ledger / "steps.jsonl")
+    drift = read_jsonl(ledger / "drift.jsonl")
+    states = read_jsonl(ledger / "states.jsonl")
+    assert [line["step"] for line in steps] == [1, 2, 3, 4, 5, 6]
+    assert [line["step"] for line in drift] == [2, 4, 6]
+    assert states and {s["step"] for s in states} <= set(range(1, 7))
+    assert len({(s["step"], s["rank"], s["sequence"]) for s in states}) == len(states)
+    # Resuming restores the exact training state and the step-0 probe reference
+    assert [line["state_nll"] for line in steps] == pytest.approx([line["state_nll"] for line in first_steps])
+    assert [line["mmd"] for line in drift] == pytest.approx([line["mmd"] for line in first_drift])
+
+
+def test_attachment_and_bad_arguments(tmp_path, student_path, tokenizer, math_dataset):
+    args = SFTConfig(output_dir=str(tmp_path / "attach"), max_steps=1, per_device_train_batch_size=2, **CPU)
+    user_callback = StateLoggingCallback(sample_rate=0.5)
+    trainer = StateLensSFTTrainer(
+        model=str(student_path),
+        args=args,
+        train_dataset=math_dataset,
+        processing_class=tokenizer,
+        callbacks=[user_callback],
+    )
+    attached = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StateLoggingCallback)]
+    assert attached == [user_callback] and user_callback.trainer is trainer
+
+    trainer = StateLensGRPOTrainer(
+        model=str(student_path),
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "off"),
+            num_generations=2,
+            max_completion_length=4,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            **CPU,
+        ),
+        train_dataset=Dataset.from_dict({"prompt": math_dataset["prompt"][:4]}),
+        processing_class=tokenizer,
+        state_logging=False,
+    )
+    assert not any(isinstance(cb, StateLoggingCallback) for cb in trainer.callback_handler.callbacks)
+    trainer.train()
+    assert trainer._state_buffer is None  # nothing recorded without the callback
+    assert not (tmp_path / "off" / "statelens").exists()
+
+    stock = SFTTrainer(model=str(student_path), args=args, train_dataset=math_dataset, processing_class=tokenizer)
+    stock.add_callback(StateLoggingCallback())
+    with pytest.raises(ValueError, match="needs the trainer"):
+        stock.train()
+    with pytest.raises(ValueError, match="probe_steps"):
+        StateLoggingCallback(probe_steps=0)
+    with pytest.raises(ValueError, match="sample_rate"):
+        StateLoggingCallback(sample_rate=1.5)
+    with pytest.raises(ValueError, match="probe_prompts is empty"):
+        StateLoggingCallback(probe_prompts=[])

@@ -1,0 +1,57 @@
+"""Two processes (DDP over gloo on CPU): the ledger holds the states of both ranks, none lost, none repeated."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "statelens_two_ranks.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(SCRIPT), str(student_path), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:  # what actually ran: two processes, distributed data parallel over gloo
+        assert rank["world_size"] == 2
+        assert rank["distributed_type"] in ("MULTI_CPU", "MULTI_GPU") and rank["backend"] == "gloo"
+
+    def read(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    # SFT with gradient accumulation 2: a step is two micro-batches on each rank
+    sft_steps = read(tmp_path / "sft" / "statelens" / "steps.jsonl")
+    assert [line["step"] for line in sft_steps] == [1, 2, 3]
+    per_rank = [rank["sft_tokens_per_micro_batch"] for rank in ranks]
+    expected = [sum(tokens[2 * step] + tokens[2 * step + 1] for tokens in per_rank) for step in range(3)]
+    assert [line["supervised_tokens"] for line in sft_steps] == expected
+    assert per_rank[0] != per_rank[1]  # the ranks really saw different data
+    sft_states = read(tmp_path / "sft" / "statelens" / "states.jsonl")
+    assert {state["rank"] for state in sft_states} == {0, 1}
+    assert sum(state["num_supervised"] for state in sft_states) == sum(expected)
+
+    grpo_steps = read(tmp_path / "grpo" / "statelens" / "steps.jsonl")
+    expected = [sum(rank["grpo_tokens_per_step"][step] for rank in ranks) for step in range(2)]
+    assert [line["supervised_tokens"] for line in grpo_steps] == expected
+    grpo_states = read(tmp_path / "grpo" / "statelens" / "states.jsonl")
+    assert {state["rank"] for state in grpo_states} == {0, 1}

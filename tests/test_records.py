@@ -1,0 +1,147 @@
+"""State records from hand-made micro-batches: prefix lengths, counts, sources, sampling and the aggregates."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_statelens.records import (
+    STATE_SOURCES,
+    StateRecorderMixin,
+    StateRecords,
+    aggregate_states,
+    prefix_len_histogram,
+)
+
+
+class Recorder(StateRecorderMixin):
+    """The mixin on a stand-in for a one-process trainer."""
+
+    def __init__(self, tokenizer, step=1):
+        self.accelerator = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"))
+        self.state = SimpleNamespace(global_step=step)
+        self.processing_class = tokenizer
+        self._start_state_recording()
+
+
+def per_token(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_prefix_lengths_and_counts_match_the_masks(tokenizer):
+    # Two right-padded rows: prompt of 2 and 3 tokens, then 3 and 2 supervised tokens, then padding
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 8, 9, 0]])
+    supervised = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    attention = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0]])
+    logps = -torch.arange(12, dtype=torch.float32).view(2, 6) / 10
+    entropy = torch.ones(2, 6)
+    recorder = Recorder(tokenizer)
+    recorder._record_states(input_ids, supervised, logps, entropy, "dataset", attention_mask=attention)
+    records = recorder._collect_state_records(sample_rate=1.0)
+
+    assert len(records) == supervised.sum()
+    assert records.sequence.tolist() == [0, 0, 0, 1, 1]
+    assert records.prefix_len.tolist() == [0, 1, 2, 0, 1]
+    assert records.logp.tolist() == pytest.approx(logps[supervised].tolist())
+    assert torch.isnan(records.teacher_logp).all()
+    assert records.weight.tolist() == [1.0] * 5
+    assert [s["num_supervised"] for s in records.samples] == [3, 2]
+    assert records.samples[0]["prompt"] == tokenizer.decode([5, 6])
+    assert records.samples[0]["completion"] == tokenizer.decode([7, 8, 9])
+    assert records.samples[1]["completion"] == tokenizer.decode([8, 9])
+    assert recorder._collect_state_records(sample_rate=1.0).logp.numel() == 0  # the buffer was cleared
+
+
+def test_packed_rows_split_at_position_ids(tokenizer):
+    # One padding-free row holding three sequences (positions restart at 0), supervised after their prompts
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    supervised = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    input_ids = torch.arange(20, 32)[None]
+    recorder = Recorder(tokenizer)
+    recorder._record_states(
+        input_ids, supervised, torch.zeros(1, 12), torch.zeros(1, 12), "dataset", position_ids=position_ids
+    )
+    records = recorder._collect_state_records(sample_rate=1.0)
+    assert records.sequence.tolist() == [0, 0, 1, 1, 2, 2]
+    assert records.prefix_len.tolist() == [0, 1, 0, 1, 0, 1]
+    assert [s["prompt"] for s in records.samples] == [
+        tokenizer.decode([20, 21]),
+        tokenizer.decode([24]),
+        tokenizer.decode([27, 28, 29]),
+    ]
+
+
+def test_micro_batches_of_a_step_are_concatenated_with_distinct_sequences(tokenizer):
+    recorder = Recorder(tokenizer)
+    for _ in range(2):  # gradient accumulation: two micro-batches before the optimizer step
+        recorder._record_states(
+            torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), "learner"
+        )
+    records = recorder._collect_state_records(sample_rate=0.0)
+    assert len(records) == 12 and records.samples == []
+    assert records.sequence.unique().tolist() == [0, 1, 2, 3]
+    assert aggregate_states(records)["sequences"] == 4
+
+
+def test_sources_weights_teacher_and_explicit_prefix_len(tokenizer):
+    recorder = Recorder(tokenizer)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    recorder._record_states(
+        torch.ones(2, 2, dtype=torch.long),
+        mask,
+        per_token([-1.0, -2.0], [-3.0, 0.0]),
+        per_token([0.5, 0.5], [1.0, 0.0]),
+        torch.tensor([STATE_SOURCES.index("teacher"), STATE_SOURCES.index("learner")]),
+        prefix_len=torch.tensor([[4, 5], [7, 8]]),
+        teacher_logps=per_token([-1.5, -1.0], [-2.0, 0.0]),
+        weights=torch.tensor([2.0, -1.0]),
+        rewards=torch.tensor([1.0, 0.0]),
+    )
+    records = recorder._collect_state_records(sample_rate=1.0)
+    assert records.prefix_len.tolist() == [4, 5, 7]
+    assert records.source.tolist() == [2, 2, 1]
+    assert records.weight.tolist() == [2.0, 2.0, -1.0]
+    assert [s["reward"] for s in records.samples] == [1.0, 0.0]
+    assert records.samples[0]["source"] == "teacher"
+
+    metrics = aggregate_states(records)
+    assert metrics["state_nll"] == pytest.approx(2.0)
+    assert metrics["state_entropy"] == pytest.approx(2 / 3)
+    assert metrics["offpolicy_gap"] == pytest.approx(2.0 - 2 / 3)
+    assert metrics["source_frac/teacher"] == pytest.approx(2 / 3)
+    assert metrics["source_frac/learner"] == pytest.approx(1 / 3)
+    assert metrics["source_frac/dataset"] == 0.0
+    assert metrics["teacher_nll"] == pytest.approx(1.5)
+    assert metrics["teacher_kl"] == pytest.approx(((-1 + 1.5) + (-2 + 1) + (-3 + 2)) / 3)
+    assert metrics["weight/mean"] == pytest.approx(1.0)
+    assert metrics["weight/positive_frac"] == pytest.approx(2 / 3)
+    assert metrics["prefix_len/max"] == 7.0
+    assert metrics["supervised_tokens"] == 3.0
+
+
+def test_aggregate_without_tokens_and_histogram():
+    empty = StateRecords.empty()
+    assert aggregate_states(empty) == {"supervised_tokens": 0.0, "sequences": 0.0}
+    assert prefix_len_histogram(empty) == []
+    prefix_len = torch.tensor([0, 1, 2, 3, 6, 7])
+    zeros = torch.zeros(6)
+    records = StateRecords(prefix_len * 0, prefix_len * 0, prefix_len, prefix_len * 0, zeros, zeros, zeros, zeros)
+    assert prefix_len_histogram(records) == [1, 2, 2, 1]  # bins [0,1), [1,3), [3,7), [7,15)
+
+
+def test_nothing_is_kept_before_recording_starts_and_bad_input_raises(tokenizer):
+    recorder = Recorder(tokenizer)
+    recorder._state_buffer = None  # no callback started the recording
+    recorder._record_states(
+        torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), "dataset"
+    )
+    assert recorder._state_buffer is None
+    recorder._start_state_recording()
+    with pytest.raises(ValueError, match="same"):
+        recorder._record_states(
+            torch.ones(1, 2, dtype=torch.long), torch.ones(1, 3), torch.zeros(1, 2), torch.zeros(1, 2), "dataset"
+        )
+    with pytest.raises(ValueError, match="unknown state source"):
+        recorder._record_states(
+            torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), "human"
+        )

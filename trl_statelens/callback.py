@@ -1,0 +1,247 @@
+"""`StateLoggingCallback`: per-step state metrics, an on-disk state ledger and probe drift, for any TRL trainer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, TrainerCallback
+from trl.models.utils import unwrap_model_for_generation
+
+from .drift import drift_metrics, featurize, prefix_states
+from .records import StateRecorderMixin, aggregate_states, prefix_len_histogram
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "statelens/"
+LEDGER_FILES = ("steps.jsonl", "states.jsonl", "drift.jsonl")
+DRIFT_REFERENCE_FILE = "drift_reference.json"
+DEFAULT_PROBE_MAX_NEW_TOKENS = 64
+
+
+class StateLoggingCallback(TrainerCallback):
+    """Logs which states a trainer supervises, keeps a ledger of them on disk, and measures probe drift.
+
+    At the end of every optimizer step:
+
+    - with a StateLens trainer ([`StateLensSFTTrainer`], [`StateLensGRPOTrainer`] or any trainer using
+      [`StateRecorderMixin`]), the step's state records are gathered from every rank and aggregated (`state_nll`,
+      `state_entropy`, `offpolicy_gap`, `source_frac/*`, `prefix_len/*`, `weight/*`, and `teacher_nll`/`teacher_kl`
+      when a teacher scored the tokens). The aggregates go into the trainer's metrics under the `statelens/` prefix,
+      so they are logged (and reach `report_to` backends) with the trainer's own metrics;
+    - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
+      against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`.
+
+    Attached to a stock TRL trainer (`SFTTrainer`, `GRPOTrainer`, `DistillationTrainer`, ...) it runs probe drift only
+    and says so once in the log.
+
+    The ledger, written by the main process under `<output_dir>/statelens/` and flushed every step:
+
+    - `steps.jsonl`: one line per optimizer step with the aggregates and `prefix_len_hist` (supervised tokens per
+      prefix-length bin `k`, covering prefix lengths `[2**k - 1, 2**(k+1) - 1)`);
+    - `states.jsonl`: the sampled sequences (a `sample_rate` share of them), with prompt and completion text and
+      per-token `prefix_len`, `logp`, `entropy`, `teacher_logp` and `weight`, plus `reward` when there is one;
+    - `drift.jsonl`: one line per probe step with the four drift distances and the number of probe states;
+    - `drift_reference.json`: the step-0 probe completions, so a resumed run measures drift against the same
+      reference.
+
+    A run resumed from a checkpoint drops the ledger lines after the checkpoint's step, so each step appears once.
+
+    Args:
+        trainer (`transformers.Trainer`, *optional*):
+            Trainer to observe. StateLens trainers attach themselves; pass it when adding the callback to a stock
+            trainer (`trainer.add_callback(StateLoggingCallback(trainer, probe_prompts=...))`).
+        probe_prompts (`list[str]` or `list[list[dict]]`, *optional*):
+            Fixed prompts for probe drift: plain strings, or conversations (lists of `{"role", "content"}` messages)
+            formatted with the tokenizer's chat template. Without them there is no drift.
+        probe_steps (`int`, *optional*, defaults to `50`):
+            Measure drift every this many optimizer steps.
+        sample_rate (`float`, *optional*, defaults to `0.05`):
+            Share of the supervised sequences written with their text to `states.jsonl`.
+        probe_max_new_tokens (`int`, *optional*):
+            Tokens sampled per probe prompt. Defaults to the trainer's own generation length (`max_completion_length`
+            of GRPO-like trainers), else 64.
+        probe_seed (`int`, *optional*, defaults to `0`):
+            Seed of the probe sampling. Probe sampling is seeded (and leaves the training RNG untouched), so the drift
+            of an unchanged policy is exactly 0.
+    """
+
+    def __init__(
+        self,
+        trainer=None,
+        probe_prompts: list | None = None,
+        probe_steps: int = 50,
+        sample_rate: float = 0.05,
+        probe_max_new_tokens: int | None = None,
+        probe_seed: int = 0,
+    ):
+        if probe_steps < 1:
+            raise ValueError(f"probe_steps must be a positive number of steps, got {probe_steps}")
+        if not 0.0 <= sample_rate <= 1.0:
+            raise ValueError(f"sample_rate is a share of sequences, between 0 and 1; got {sample_rate}")
+        if probe_prompts is not None and len(probe_prompts) == 0:
+            raise ValueError("probe_prompts is empty: pass some prompts, or None to turn probe drift off")
+        self.trainer = trainer
+        self.probe_prompts = probe_prompts
+        self.probe_steps = probe_steps
+        self.sample_rate = sample_rate
+        self.probe_max_new_tokens = probe_max_new_tokens
+        self.probe_seed = probe_seed
+        self._reference_features = None
+
+    # ----- training events --------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            raise ValueError(
+                "StateLoggingCallback needs the trainer: create it with StateLoggingCallback(trainer, ...) or use a "
+                "StateLens trainer, which attaches it."
+            )
+        self.ledger_dir = Path(args.output_dir) / "statelens"
+        self.records_states = isinstance(self.trainer, StateRecorderMixin)
+        if self.records_states:
+            self.trainer._start_state_recording()
+        elif state.is_world_process_zero:
+            logger.warning(
+                "StateLoggingCallback on %s: per-step state records need a StateLens trainer (StateLensSFTTrainer, "
+                "StateLensGRPOTrainer); this run logs probe drift only.",
+                type(self.trainer).__name__,
+            )
+        if state.is_world_process_zero:
+            self._prepare_ledger(resumed_at=state.global_step)
+        if self.probe_prompts is not None:
+            self._reference_features = featurize(prefix_states(self._reference_completions(state)))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.records_states:
+            records = self.trainer._collect_state_records(self.sample_rate, seed=args.seed)
+            metrics = aggregate_states(records)
+            self._log_metrics(metrics)
+            if state.is_world_process_zero:
+                line = {"step": state.global_step, "epoch": state.epoch, **metrics}
+                line["prefix_len_hist"] = prefix_len_histogram(records)
+                self._append("steps.jsonl", [line])
+                self._append("states.jsonl", records.samples)
+        if self.probe_prompts is not None and state.global_step % self.probe_steps == 0:
+            states = prefix_states(self._sample_probes())
+            drift = drift_metrics(self._reference_features, featurize(states))
+            self._log_metrics({f"drift/{name}": value for name, value in drift.items()})
+            if state.is_world_process_zero:
+                self._append("drift.jsonl", [{"step": state.global_step, **drift, "num_states": len(states)}])
+
+    # ----- logging and ledger ----------------------------------------------------------------------------------
+    def _log_metrics(self, metrics: dict[str, float]) -> None:
+        """Queue metrics in the trainer's own metric store, which its next `log()` averages and reports."""
+        store = getattr(self.trainer, "_metrics", None)
+        if store is None:
+            return
+        for name, value in metrics.items():
+            if math.isfinite(value):
+                store["train"][METRIC_PREFIX + name].append(value)
+
+    def _prepare_ledger(self, resumed_at: int) -> None:
+        """A fresh run starts an empty ledger; a resumed one keeps the lines up to the checkpoint's step."""
+        self.ledger_dir.mkdir(parents=True, exist_ok=True)
+        if resumed_at == 0:
+            (self.ledger_dir / DRIFT_REFERENCE_FILE).unlink(missing_ok=True)
+        for name in LEDGER_FILES:
+            path = self.ledger_dir / name
+            if not path.exists():
+                continue
+            if resumed_at == 0:
+                path.unlink()
+                continue
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resumed_at]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def _append(self, name: str, rows: list[dict]) -> None:
+        if not rows:
+            return
+        with open(self.ledger_dir / name, "a", encoding="utf-8") as f:  # closing flushes: the ledger survives a crash
+            for row in rows:
+                f.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
+
+    # ----- probe drift -----------------------------------------------------------------------------------------
+    def _reference_completions(self, state) -> list[str]:
+        """Step-0 probe completions: sampled now on a fresh run, read back from the ledger on a resumed one."""
+        path = self.ledger_dir / DRIFT_REFERENCE_FILE
+        if state.global_step > 0 and path.exists():
+            return json.loads(path.read_text())["completions"]
+        if state.global_step > 0:
+            logger.warning("Resumed without %s: probe drift is measured against the resumed policy.", path)
+        completions = self._sample_probes()
+        if state.is_world_process_zero:
+            path.write_text(json.dumps({"step": state.global_step, "completions": completions}))
+        return completions
+
+    def _probe_generation_config(self, model) -> GenerationConfig:
+        """The trainer's sampling settings when it has them (GRPO-like trainers), else the model's, with sampling."""
+        trainer_config = getattr(self.trainer, "generation_config", None)
+        if trainer_config is not None:
+            config = GenerationConfig.from_dict(trainer_config.to_dict())
+        else:
+            config = GenerationConfig.from_dict(model.generation_config.to_dict())
+            config.do_sample = True
+            config.max_new_tokens = DEFAULT_PROBE_MAX_NEW_TOKENS
+        if self.probe_max_new_tokens is not None:
+            config.max_new_tokens = self.probe_max_new_tokens
+        return config
+
+    @torch.no_grad()
+    def _sample_probes(self) -> list[str]:
+        """Completions of the current policy on the probe prompts, sampled with a fixed seed.
+
+        Every rank samples the same completions (same seed, same weights), which keeps sharded models (ZeRO-3) in
+        step; the training RNG is forked, so probing does not change the training run.
+        """
+        trainer = self.trainer
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        prompts = [
+            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in self.probe_prompts
+        ]
+        device = trainer.accelerator.device
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        inputs = inputs.to(device)
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                generation_kwargs=getattr(trainer, "generation_kwargs", None),
+            ) as model,
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
+            was_training = model.training
+            model.eval()
+            torch.manual_seed(self.probe_seed)
+            output = model.generate(**inputs, generation_config=self._probe_generation_config(model))
+            model.train(was_training)
+        return tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
+
+
+def attach_state_logging(trainer, state_logging: bool = True) -> None:
+    """Point every `StateLoggingCallback` of `trainer` without a trainer at it; add a default one if there is none.
+
+    Args:
+        trainer: the trainer whose callbacks to attach.
+        state_logging: add a default `StateLoggingCallback` (records and ledger, no probes) when none was passed.
+    """
+    callbacks = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StateLoggingCallback)]
+    for callback in callbacks:
+        if callback.trainer is None:
+            callback.trainer = trainer
+    if not callbacks and state_logging:
+        trainer.add_callback(StateLoggingCallback(trainer))
+
+
+def _json_safe(value):
+    """NaN and infinities become null, which strict JSON readers accept."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value

@@ -1,0 +1,85 @@
+"""`StateLensGRPOTrainer`: TRL's `GRPOTrainer`, plus a record of the learner states each step supervises."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from trl import GRPOTrainer
+
+from .callback import attach_state_logging
+from .records import StateRecorderMixin
+
+
+class StateLensGRPOTrainer(StateRecorderMixin, GRPOTrainer):
+    """[`~trl.GRPOTrainer`] that records, for every optimizer step, which states it supervised.
+
+    Same arguments, same training: the records reuse the per-token log-probs and entropies the GRPO loss computes,
+    with no extra forward pass. Every completion token in the loss mask is a `learner` state; its prefix length is its
+    position in the completion, its weight the advantage the loss applies, and each sequence carries its reward.
+
+    Args:
+        *args, **kwargs: the arguments of [`~trl.GRPOTrainer`].
+        state_logging (`bool`, *optional*, defaults to `True`):
+            Attach a default [`StateLoggingCallback`] (records and ledger, no probe drift) unless `callbacks` already
+            holds one. With `False` and no such callback, nothing is recorded.
+    """
+
+    def __init__(self, *args, state_logging: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._loss_logps_and_entropies = None
+        attach_state_logging(self, state_logging)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards_per_func  # all processes' completions
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        # The weighted reward sum TRL logs as `reward`, for this process's completions; it rides along with the
+        # batch (shuffled and split with it) to the loss, where the states are recorded
+        weights = self.reward_weights.to(self._rewards_per_func.device)
+        rewards = (self._rewards_per_func * weights).nansum(dim=1)
+        rewards[torch.isnan(self._rewards_per_func).all(dim=1)] = torch.nan
+        num_local = output["prompt_ids"].size(0)
+        start = self.accelerator.process_index * num_local
+        output["rewards"] = rewards[start : start + num_local]
+        return output
+
+    def _get_per_token_logps_and_entropies(self, *args, compute_entropy=False, **kwargs):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            *args, compute_entropy=compute_entropy, **kwargs
+        )
+        if compute_entropy:  # only the loss asks for entropies: keep its tensors for the records
+            self._loss_logps_and_entropies = (logps, entropies)
+        return logps, entropies, aux_loss
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if self.model.training and self._loss_logps_and_entropies is not None:
+            logps, entropies = self._loss_logps_and_entropies
+            prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+            num_prompt, num_completion = prompt_ids.size(1), completion_ids.size(1)
+            mask = (
+                inputs["completion_mask"]
+                if "tool_mask" not in inputs
+                else inputs["completion_mask"] * inputs["tool_mask"]
+            )
+
+            def align(completion_values):  # (B, T) completion values -> (B, P + T), zero over the prompt
+                return F.pad(completion_values, (num_prompt, 0))
+
+            advantages = inputs["advantages"]
+            self._record_states(
+                input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                supervised_mask=align(mask),
+                logps=align(logps),
+                entropy=align(entropies),
+                source="learner",
+                prefix_len=align(torch.arange(num_completion, device=logps.device).expand_as(logps)),
+                attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                weights=advantages if advantages.dim() == 1 else align(advantages),
+                rewards=inputs.get("rewards"),
+            )
+        self._loss_logps_and_entropies = None
+        return loss

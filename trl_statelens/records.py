@@ -1,0 +1,358 @@
+"""State records: what one optimizer step supervised, token by token, and the per-step metrics computed from them.
+
+A trainer that mixes in :class:`StateRecorderMixin` calls :meth:`StateRecorderMixin._record_states` from its loss
+path with tensors the loss already computed (no extra forward pass). At the end of each optimizer step
+:class:`~trl_statelens.callback.StateLoggingCallback` calls :meth:`StateRecorderMixin._collect_state_records`, which
+concatenates the step's micro-batches, gathers them from every rank and returns a :class:`StateRecords`;
+:func:`aggregate_states` turns that into the metrics of DESIGN.md.
+
+One record per supervised token holds:
+
+- ``rank`` and ``sequence``: where it comes from (the sequence index is local to the rank and the step);
+- ``prefix_len``: tokens between the end of the prompt and this token (0 for the first answer token);
+- ``source``: index into :data:`STATE_SOURCES`, where the state (the prefix) came from;
+- ``logp`` and ``entropy``: the learner's log-probability of the supervised token and the entropy of its next-token
+  distribution at the state;
+- ``teacher_logp``: the teacher's log-probability of the token (NaN without a teacher);
+- ``weight``: what the loss multiplies the token by (1 for SFT, the advantage for GRPO).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+STATE_SOURCES = ("dataset", "learner", "teacher")
+TOKEN_FIELDS = ("rank", "sequence", "prefix_len", "source", "logp", "entropy", "teacher_logp", "weight")
+PREFIX_QUANTILES = (0.1, 0.5, 0.9)
+
+
+def source_code(source: str) -> int:
+    """The integer code of a state source name."""
+    if source not in STATE_SOURCES:
+        raise ValueError(f"unknown state source {source!r}: use one of {STATE_SOURCES}")
+    return STATE_SOURCES.index(source)
+
+
+@dataclass
+class StateRecords:
+    """Per-token state records (1-D tensors of equal length, one entry per supervised token) and sampled sequences.
+
+    ``samples`` holds a few whole sequences with their text and per-token values, for the ledger; which ones is
+    decided by the sample rate given to :meth:`StateRecorderMixin._collect_state_records`.
+    """
+
+    rank: torch.Tensor
+    sequence: torch.Tensor
+    prefix_len: torch.Tensor
+    source: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    teacher_logp: torch.Tensor
+    weight: torch.Tensor
+    samples: list[dict] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.logp.numel()
+
+    @classmethod
+    def empty(cls, device=None) -> StateRecords:
+        long, float_ = torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device)
+        return cls(long, long, long, long, float_, float_, float_, float_)
+
+    @classmethod
+    def cat(cls, parts: list[StateRecords]) -> StateRecords:
+        if not parts:
+            return cls.empty()
+        columns = {name: torch.cat([getattr(part, name) for part in parts]) for name in TOKEN_FIELDS}
+        return cls(**columns, samples=[sample for part in parts for sample in part.samples])
+
+    def gather(self, accelerator) -> StateRecords:
+        """The records of every rank, on every rank (a no-op with one process).
+
+        Ranks hold different numbers of tokens, so the columns travel as one padded `(tokens, fields)` table next to
+        each rank's count; the sampled sequences travel as Python objects.
+        """
+        if accelerator.num_processes == 1:
+            return self
+        from accelerate.utils import gather_object
+
+        table = torch.stack([getattr(self, name).double() for name in TOKEN_FIELDS], dim=1).to(accelerator.device)
+        counts = accelerator.gather(torch.tensor([len(self)], device=accelerator.device)).tolist()
+        padded = accelerator.gather(accelerator.pad_across_processes(table, dim=0))
+        rows_per_rank = padded.size(0) // accelerator.num_processes
+        table = torch.cat([padded[r * rows_per_rank : r * rows_per_rank + n] for r, n in enumerate(counts)])
+        columns = {
+            name: table[:, i].long() if name in ("rank", "sequence", "prefix_len", "source") else table[:, i].float()
+            for i, name in enumerate(TOKEN_FIELDS)
+        }
+        return StateRecords(**columns, samples=gather_object(self.samples))
+
+
+def aggregate_states(records: StateRecords) -> dict[str, float]:
+    """The per-step metrics of DESIGN.md from one step's records (all ranks).
+
+    ``supervised_tokens`` and ``sequences`` are always there; the rest only when the step supervised any token, and
+    ``teacher_nll``/``teacher_kl`` only over the tokens that have a teacher log-prob. All reductions are tensor ops
+    and the values leave the device with a single ``tolist``.
+    """
+    num_tokens = len(records)
+    num_sequences = torch.unique(records.rank * (records.sequence.max() + 1 if num_tokens else 1) + records.sequence)
+    metrics = {"supervised_tokens": float(num_tokens), "sequences": float(num_sequences.numel())}
+    if num_tokens == 0:
+        return metrics
+
+    logp, entropy = records.logp.double(), records.entropy.double()
+    prefix_len = records.prefix_len.double()
+    names = ["state_nll", "state_entropy", "offpolicy_gap"]
+    values = [-logp.mean(), entropy.mean(), -logp.mean() - entropy.mean()]
+    for code, source in enumerate(STATE_SOURCES):
+        names.append(f"source_frac/{source}")
+        values.append((records.source == code).double().mean())
+    names += [f"prefix_len/p{round(q * 100)}" for q in PREFIX_QUANTILES] + ["prefix_len/mean", "prefix_len/max"]
+    values += list(torch.quantile(prefix_len, prefix_len.new_tensor(PREFIX_QUANTILES))) + [
+        prefix_len.mean(),
+        prefix_len.max(),
+    ]
+    weight = records.weight.double()
+    names += ["weight/mean", "weight/abs_mean", "weight/positive_frac"]
+    values += [weight.mean(), weight.abs().mean(), (weight > 0).double().mean()]
+    has_teacher = ~torch.isnan(records.teacher_logp)
+    if has_teacher.any():
+        teacher_logp = records.teacher_logp.double()[has_teacher]
+        names += ["teacher_nll", "teacher_kl"]
+        values += [-teacher_logp.mean(), (logp[has_teacher] - teacher_logp).mean()]
+    metrics.update(zip(names, torch.stack(values).tolist()))
+    return metrics
+
+
+def prefix_len_histogram(records: StateRecords) -> list[int]:
+    """Supervised tokens per prefix-length bin; bin ``k`` holds prefix lengths in ``[2**k - 1, 2**(k+1) - 1)``."""
+    if len(records) == 0:
+        return []
+    bins = torch.log2(records.prefix_len.double() + 1).floor().long()
+    return torch.bincount(bins).tolist()
+
+
+def _per_row(value, batch_size: int, seq_len: int, device, dtype) -> torch.Tensor:
+    """Broadcast a scalar, a `(B,)` or a `(B, L)` value to `(B, L)`."""
+    value = torch.as_tensor(value, device=device, dtype=dtype)
+    if value.ndim == 1:
+        value = value[:, None]
+    return value.expand(batch_size, seq_len)
+
+
+@dataclass
+class _MicroBatchStates:
+    """One micro-batch's records plus what it takes to decode its sequences if they are sampled for the ledger."""
+
+    records: StateRecords  # rank column filled in at collection time
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    sequence_row: torch.Tensor  # (S,) row of each recorded sequence
+    sequence_start: torch.Tensor  # (S,) first position of the sequence in its row (packed rows hold several)
+    sequence_first: torch.Tensor  # (S,) first supervised position: the prompt ends just before it
+    sequence_last: torch.Tensor  # (S,) last supervised position
+    sequence_ids: torch.Tensor  # (S,) sequence index of each
+    rewards: torch.Tensor | None  # (B,) reward of each row, when the trainer has one
+
+
+class StateRecorderMixin:
+    """Adds state recording to a trainer. Mix it in before the TRL trainer class.
+
+    The trainer calls :meth:`_record_states` from its loss path on every training micro-batch; nothing is kept until a
+    :class:`~trl_statelens.callback.StateLoggingCallback` starts the recording (so a trainer without the callback
+    pays nothing). A third trainer (for example on-policy distillation with a mix of learner, dataset and teacher
+    states) records through the same method, passing `source` per row or per token and `teacher_logps`.
+    """
+
+    _state_buffer: list[_MicroBatchStates] | None = None
+    _state_sequences_in_step: int = 0
+
+    def _start_state_recording(self) -> None:
+        self._state_buffer = []
+        self._state_sequences_in_step = 0
+
+    @torch.no_grad()
+    def _record_states(
+        self,
+        input_ids: torch.Tensor,
+        supervised_mask: torch.Tensor,
+        logps: torch.Tensor,
+        entropy: torch.Tensor,
+        source: str | torch.Tensor,
+        *,
+        prefix_len: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        teacher_logps: torch.Tensor | None = None,
+        weights: float | torch.Tensor | None = None,
+        rewards: torch.Tensor | None = None,
+    ) -> None:
+        """Record the supervised states of one micro-batch.
+
+        Every per-token tensor has shape `(B, L)` and is aligned with `input_ids`: entry `[b, i]` is about token
+        `input_ids[b, i]`, scored from the prefix `input_ids[b, :i]`.
+
+        Args:
+            input_ids (`torch.Tensor` of shape `(B, L)`): prompt and answer tokens.
+            supervised_mask (`torch.Tensor` of shape `(B, L)`): which tokens the loss supervises.
+            logps, entropy (`torch.Tensor` of shape `(B, L)`): the learner's log-prob of each token and the entropy
+                of its next-token distribution, as the loss computed them.
+            source (`str`, or integer codes into `STATE_SOURCES` of shape `(B,)` or `(B, L)`): state source.
+            prefix_len (`torch.Tensor` of shape `(B, L)`, *optional*): tokens since the end of the prompt. Defaults
+                to the distance from the sequence's first supervised token, which is the end of the prompt when
+                the prompt is the unsupervised part.
+            attention_mask (`torch.Tensor` of shape `(B, L)`, *optional*): padding to leave out of the ledger text.
+            position_ids (`torch.Tensor` of shape `(B, L)`, *optional*): for packed / padding-free rows, where each
+                sequence restarts at position 0.
+            teacher_logps (`torch.Tensor` of shape `(B, L)`, *optional*): the teacher's log-prob of each token.
+            weights (`float` or `torch.Tensor` of shape `(B,)` or `(B, L)`, *optional*): per-token weight or
+                advantage the loss applies; defaults to 1.
+            rewards (`torch.Tensor` of shape `(B,)`, *optional*): reward of each row, written to the ledger.
+        """
+        if self._state_buffer is None:
+            return
+        if supervised_mask.shape != input_ids.shape or logps.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids, supervised_mask and logps must have the same (B, L) shape, got {tuple(input_ids.shape)}, "
+                f"{tuple(supervised_mask.shape)} and {tuple(logps.shape)}"
+            )
+        batch_size, seq_len = input_ids.shape
+        device = input_ids.device
+        supervised_mask = supervised_mask.bool()
+        positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
+
+        # Sequence of each position: one per row, or one per run of positions starting at position_ids == 0
+        if position_ids is None:
+            sequence_in_row = torch.zeros_like(positions)
+        else:
+            sequence_in_row = ((position_ids == 0).long().cumsum(dim=1) - 1).clamp(min=0)
+        sequences_per_row = sequence_in_row[:, -1] + 1
+        row_offset = F.pad(sequences_per_row.cumsum(0)[:-1], (1, 0))
+        sequence = (sequence_in_row + row_offset[:, None]).flatten()
+        num_sequences = int(sequences_per_row.sum())
+
+        flat_supervised = supervised_mask.flatten()
+        supervised_sequence = sequence[flat_supervised]
+        supervised_position = positions.flatten()[flat_supervised]
+        first = torch.full((num_sequences,), seq_len, device=device).scatter_reduce(
+            0, supervised_sequence, supervised_position, reduce="amin"
+        )
+        last = torch.full((num_sequences,), -1, device=device).scatter_reduce(
+            0, supervised_sequence, supervised_position, reduce="amax"
+        )
+        if prefix_len is None:
+            token_prefix_len = supervised_position - first[supervised_sequence]
+        else:
+            token_prefix_len = prefix_len.flatten()[flat_supervised].long()
+
+        if isinstance(source, str):
+            token_source = torch.full_like(supervised_position, source_code(source))
+        else:
+            token_source = _per_row(source, batch_size, seq_len, device, torch.long).flatten()[flat_supervised]
+        if teacher_logps is None:
+            token_teacher = torch.full(supervised_position.shape, float("nan"), device=device)
+        else:
+            token_teacher = teacher_logps.detach().float().flatten()[flat_supervised]
+        weights = 1.0 if weights is None else weights
+        token_weight = _per_row(weights, batch_size, seq_len, device, torch.float32).flatten()[flat_supervised]
+
+        offset = self._state_sequences_in_step
+        records = StateRecords(
+            rank=torch.zeros_like(supervised_position),
+            sequence=supervised_sequence + offset,
+            prefix_len=token_prefix_len,
+            source=token_source,
+            logp=logps.detach().float().flatten()[flat_supervised],
+            entropy=entropy.detach().float().flatten()[flat_supervised],
+            teacher_logp=token_teacher,
+            weight=token_weight.detach().float(),
+        )
+        recorded = last >= 0  # sequences with at least one supervised token
+        start = torch.full((num_sequences,), seq_len, device=device).scatter_reduce(
+            0, sequence, positions.flatten(), reduce="amin"
+        )
+        row = torch.arange(batch_size, device=device).repeat_interleave(sequences_per_row)
+        self._state_buffer.append(
+            _MicroBatchStates(
+                records=records,
+                input_ids=input_ids.detach(),
+                attention_mask=None if attention_mask is None else attention_mask.detach(),
+                sequence_row=row[recorded],
+                sequence_start=start[recorded],
+                sequence_first=first[recorded],
+                sequence_last=last[recorded],
+                sequence_ids=torch.arange(num_sequences, device=device)[recorded] + offset,
+                rewards=None if rewards is None else rewards.detach().float(),
+            )
+        )
+        self._state_sequences_in_step += num_sequences
+
+    def _collect_state_records(self, sample_rate: float, seed: int = 0) -> StateRecords:
+        """The records of the optimizer step that just ended, from every rank; clears the buffer.
+
+        Each recorded sequence goes to ``samples`` (with its text) with probability ``sample_rate``, drawn from a
+        generator seeded with the step and rank, so sampling never touches the training RNG.
+        """
+        accelerator = self.accelerator
+        buffer, self._state_buffer = self._state_buffer or [], []
+        self._state_sequences_in_step = 0
+        step, rank = self.state.global_step, accelerator.process_index
+        generator = torch.Generator().manual_seed(seed + 1_000_003 * step + 7919 * rank)
+        parts = []
+        for part in buffer:
+            records = part.records
+            records.rank = torch.full_like(records.sequence, rank)
+            chosen = torch.rand(len(part.sequence_ids), generator=generator) < sample_rate
+            if chosen.any():
+                records.samples = self._sample_sequences(part, chosen.nonzero().flatten().tolist(), step, rank)
+            parts.append(records)
+        return StateRecords.cat(parts).gather(accelerator)
+
+    def _sample_sequences(self, part: _MicroBatchStates, indices: list[int], step: int, rank: int) -> list[dict]:
+        """Ledger entries of the chosen sequences: text and per-token values (a loop over a few sequences only)."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        records = part.records
+        samples = []
+        for index in indices:
+            sequence_id = part.sequence_ids[index].item()
+            row, start, first, last = (
+                t[index].item()
+                for t in (part.sequence_row, part.sequence_start, part.sequence_first, part.sequence_last)
+            )
+            ids = part.input_ids[row]
+            keep = (
+                torch.ones_like(ids, dtype=torch.bool)
+                if part.attention_mask is None
+                else part.attention_mask[row].bool()
+            )
+            prompt_ids = ids[start:first][keep[start:first]]
+            completion_ids = ids[first : last + 1][keep[first : last + 1]]
+            tokens = records.sequence == sequence_id
+            teacher = records.teacher_logp[tokens]
+            samples.append(
+                {
+                    "step": step,
+                    "rank": rank,
+                    "sequence": sequence_id,
+                    "source": STATE_SOURCES[records.source[tokens][0].item()],
+                    "prompt": tokenizer.decode(prompt_ids),
+                    "completion": tokenizer.decode(completion_ids),
+                    "reward": None if part.rewards is None else _finite_or_none(part.rewards[row].item()),
+                    "num_supervised": int(tokens.sum()),
+                    "prefix_len": records.prefix_len[tokens].tolist(),
+                    "logp": records.logp[tokens].tolist(),
+                    "entropy": records.entropy[tokens].tolist(),
+                    "teacher_logp": None if torch.isnan(teacher).all() else teacher.tolist(),
+                    "weight": records.weight[tokens].tolist(),
+                }
+            )
+        return samples
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

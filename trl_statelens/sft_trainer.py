@@ -1,0 +1,51 @@
+"""`StateLensSFTTrainer`: TRL's `SFTTrainer`, plus a record of the dataset states each step supervises."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from trl import SFTTrainer
+
+from .callback import attach_state_logging
+from .records import StateRecorderMixin
+
+
+class StateLensSFTTrainer(StateRecorderMixin, SFTTrainer):
+    """[`~trl.SFTTrainer`] that records, for every optimizer step, which states it supervised.
+
+    Same arguments, same training: the records are read off the loss's own forward (TRL's fused LM head already
+    returns the per-token log-probs and entropies), so there is no extra forward pass and nothing in the loss changes.
+    Every supervised token is a `dataset` state with weight 1; its prefix length counts the tokens since the first
+    supervised token of its sequence (the end of the prompt for prompt-completion data; with packing or
+    padding-free batches, sequences are split where `position_ids` restart at 0).
+
+    Args:
+        *args, **kwargs: the arguments of [`~trl.SFTTrainer`].
+        state_logging (`bool`, *optional*, defaults to `True`):
+            Attach a default [`StateLoggingCallback`] (records and ledger, no probe drift) unless `callbacks` already
+            holds one. With `False` and no such callback, nothing is recorded.
+    """
+
+    def __init__(self, *args, state_logging: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The hook sees the loss's forward through any wrapper (DDP, DeepSpeed, PEFT): they all call this module
+        self.model.register_forward_hook(self._record_fused_outputs, with_kwargs=True)
+        attach_state_logging(self, state_logging)
+
+    def _record_fused_outputs(self, module, args, kwargs, outputs) -> None:
+        # Only the training loss: `fused_lm_head=True` marks it, and evaluation runs the model in eval mode
+        if not (module.training and kwargs.get("fused_lm_head")) or kwargs.get("input_ids") is None:
+            return
+
+        # The fused head scores label t+1 at position t; shift by one so entry i is about token i
+        def align(per_token):
+            return F.pad(per_token, (1, 0))
+
+        self._record_states(
+            input_ids=kwargs["input_ids"],
+            supervised_mask=align(outputs.label_mask),
+            logps=align(outputs.log_probs),
+            entropy=align(outputs.entropy),
+            source="dataset",
+            attention_mask=kwargs.get("attention_mask"),
+            position_ids=kwargs.get("position_ids"),
+        )
