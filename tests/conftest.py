@@ -97,3 +97,27 @@ def kb_dataset(world):
     return Dataset.from_list(
         [{"prompt": format_plain(r["question"]), "completion": " " + r["choices"][r["answer"]]} for r in rows]
     )
+
+
+@pytest.fixture(scope="session")
+def math_teacher_path(tmp_path_factory, tokenizer, world, math_trained_path):
+    """`math_trained_path` trained 60 steps further on other math problems: a teacher a step ahead of that
+    student, so on-policy distillation between the two has something to teach at the student's own states."""
+    model = AutoModelForCausalLM.from_pretrained(math_trained_path)
+    texts = [
+        format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in world.math("train", n=480, seed=3)
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    torch.manual_seed(0)
+    for step in range(60):
+        batch = tokenizer(
+            texts[step * 8 % 480 : step * 8 % 480 + 8], return_tensors="pt", padding=True, padding_side="right"
+        )
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = tmp_path_factory.mktemp("math_teacher")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

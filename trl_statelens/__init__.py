@@ -14,6 +14,8 @@ from .evaluation import (
     retention_summary,
 )
 from .grpo_trainer import StateLensGRPOTrainer
+from .opd_config import OnPolicyDistillConfig
+from .opd_trainer import OnPolicyDistillTrainer
 from .records import STATE_SOURCES, StateRecorderMixin, StateRecords, aggregate_states
 from .rewards import gsm8k_accuracy_reward, gsm8k_format_reward
 from .sft_trainer import StateLensSFTTrainer

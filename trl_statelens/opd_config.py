@@ -1,0 +1,95 @@
+"""Configuration of :class:`~trl_statelens.OnPolicyDistillTrainer`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+SIGNALS = ("reverse_kl", "continuation", "divergence")
+MIX_SOURCES = ("learner", "dataset", "teacher")
+
+
+@dataclass
+class OnPolicyDistillConfig(GRPOConfig):
+    r"""
+    Configuration class for [`OnPolicyDistillTrainer`]: the student samples, a teacher supervises the states.
+
+    It extends [`~trl.GRPOConfig`] (generation, batching, `use_vllm`, logging: all fields keep their meaning) with
+    the fields below. Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the
+    student and $p_T$ the teacher.
+
+    Parameters:
+        signal (`str`, *optional*, defaults to `"reverse_kl"`):
+            What the teacher supplies at each supervised state:
+
+            - `"reverse_kl"`: the sampled-token reverse KL as a per-token advantage,
+              $A_t = -\sum_{k \ge 0} \gamma^k \,(\log p_S(y_{t+k}|s_{t+k}) - \log p_T(y_{t+k}|s_{t+k}))$ with
+              $\gamma$ = `kl_discount`, in a policy-gradient loss $-\frac{1}{N}\sum_t A_t \log p_S(y_t|s_t)$
+              (stop-gradient on $A_t$). One teacher forward per rollout; the student's log-probs come from the loss's
+              own forward.
+            - `"continuation"`: cut each rollout at a prefix length drawn uniformly from its tokens, let the teacher
+              write `continuation_length` tokens from that student state, and train the student with cross-entropy
+              on the teacher's tokens, $-\frac{1}{N}\sum_t \log p_S(c_t | s, c_{<t})$. The first teacher token sits
+              on a `learner` state, the following ones on `teacher` states.
+            - `"divergence"`: the full-vocabulary generalised JSD with `jsd_beta` between student and teacher
+              next-token distributions at every completion state, computed in chunks over positions with TRL's
+              kernel (the `(B, T, V)` logits are never materialised); `jsd_beta=1` is TRL's
+              `DistillationTrainer(beta=1)` loss.
+        kl_discount (`float`, *optional*, defaults to `0.0`):
+            Discount $\gamma$ of future per-token reverse KL in the `reverse_kl` advantage; `0` uses each token's
+            own KL only.
+        continuation_length (`int`, *optional*, defaults to `16`):
+            Tokens the teacher writes from each cut point with `signal="continuation"`.
+        jsd_beta (`float`, *optional*, defaults to `1.0`):
+            Interpolation of the generalised JSD with `signal="divergence"`: `0.0` forward KL, `1.0` reverse KL.
+            (GRPO's own `beta` stays the KL coefficient against a reference model.)
+        state_source_mix (`dict[str, float]`, *optional*):
+            Per-sample probabilities of where a rollout's states come from: `"learner"` (the student's own rollout),
+            `"dataset"` (the reference answer in `reference_column`, teacher-forced) or `"teacher"` (the teacher's
+            own rollout). Every sample is supervised with the same `signal`. Defaults to `{"learner": 1.0}`.
+        reference_column (`str`, *optional*, defaults to `"completion"`):
+            Dataset column with the reference answer used by the `"dataset"` state source.
+        reward_weight (`float`, *optional*, defaults to `0.0`):
+            Weight of GRPO's group-normalised reward advantage (from `reward_funcs`) added to the `reverse_kl`
+            advantage. `0` ignores rewards (they are still computed and logged when reward functions are given).
+        teacher_model_init_kwargs (`dict[str, Any]`, *optional*):
+            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is given as a path or hub id.
+    """
+
+    signal: str = field(default="reverse_kl", metadata={"help": f"One of {SIGNALS}."})
+    kl_discount: float = field(default=0.0, metadata={"help": "Discount of future reverse KL in the advantage."})
+    continuation_length: int = field(default=16, metadata={"help": "Teacher tokens written per cut point."})
+    jsd_beta: float = field(default=1.0, metadata={"help": "Generalised JSD interpolation for `divergence`."})
+    state_source_mix: dict | None = field(
+        default=None, metadata={"help": 'Per-sample state sources, e.g. {"learner": 0.8, "dataset": 0.2}.'}
+    )
+    reference_column: str = field(default="completion", metadata={"help": "Reference answers for `dataset`."})
+    reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
+    teacher_model_init_kwargs: dict | None = field(
+        default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
+    )
+
+    def __post_init__(self):
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal={self.signal!r} is not one of {SIGNALS}")
+        if self.continuation_length <= 0:
+            raise ValueError(
+                f"continuation_length must be a positive number of tokens, got {self.continuation_length}"
+            )
+        if not 0.0 <= self.kl_discount <= 1.0:
+            raise ValueError(f"kl_discount must be in [0, 1], got {self.kl_discount}")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"jsd_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.jsd_beta}")
+        mix = {"learner": 1.0} if self.state_source_mix is None else dict(self.state_source_mix)
+        unknown = sorted(set(mix) - set(MIX_SOURCES))
+        if unknown:
+            raise ValueError(f"state_source_mix has unknown sources {unknown}: use {MIX_SOURCES}")
+        if any(p < 0 for p in mix.values()) or not math.isclose(sum(mix.values()), 1.0, abs_tol=1e-6):
+            raise ValueError(
+                f"state_source_mix must hold non-negative probabilities that sum to 1, got {mix} "
+                f"(sum {sum(mix.values()):.4f})"
+            )
+        self.state_source_mix = mix
+        super().__post_init__()
