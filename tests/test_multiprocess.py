@@ -55,3 +55,10 @@ def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
     assert [line["supervised_tokens"] for line in grpo_steps] == expected
     grpo_states = read(tmp_path / "grpo" / "statelens" / "states.jsonl")
     assert {state["rank"] for state in grpo_states} == {0, 1}
+
+    opd_steps = read(tmp_path / "opd" / "statelens" / "steps.jsonl")
+    expected = [sum(rank["opd_tokens_per_step"][step] for rank in ranks) for step in range(2)]
+    assert [line["supervised_tokens"] for line in opd_steps] == expected
+    opd_states = read(tmp_path / "opd" / "statelens" / "states.jsonl")
+    assert {state["rank"] for state in opd_states} == {0, 1}
+    assert sum(state["num_supervised"] for state in opd_states) == sum(expected)

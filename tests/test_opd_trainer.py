@@ -209,3 +209,25 @@ def test_teacher_is_frozen_and_in_eval_mode(tmp_path, student_path, teacher_path
     for key, value in teacher.state_dict().items():
         torch.testing.assert_close(value, before[key])
         torch.testing.assert_close(value, after[key])
+
+
+def test_peft_student_with_gradient_accumulation_trains_only_the_adapter(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset
+):
+    from peft import LoraConfig
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(math_teacher_path),
+        args=opd_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=4),
+        train_dataset=math_dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    base_before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora" not in k}
+    lora_before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k}
+    trainer.train()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base_before.items())
+    assert any(not torch.equal(after[k], v) for k, v in lora_before.items())
+    steps = [json.loads(line) for line in open(tmp_path / "statelens" / "steps.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["supervised_tokens"] > 0 for s in steps)

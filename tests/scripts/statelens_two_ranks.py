@@ -3,7 +3,7 @@
 Usage: accelerate launch --multi_gpu --num_processes 2 statelens_two_ranks.py MODEL_PATH OUTPUT_DIR
 
 Each rank writes `OUTPUT_DIR/rank<i>.json` with what it actually ran (world size, backend) and the supervised tokens
-it computed the loss on per optimizer step, counted from the batches (not from the records), for SFT and GRPO.
+it computed the loss on per optimizer step, counted from the batches (not from the records), for SFT, GRPO and on-policy distillation.
 """
 
 import json
@@ -20,7 +20,13 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, SFTConfig  # noqa: E402
 
-from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback  # noqa: E402
+from trl_statelens import (  # noqa: E402
+    OnPolicyDistillConfig,
+    OnPolicyDistillTrainer,
+    StateLensGRPOTrainer,
+    StateLensSFTTrainer,
+    StateLoggingCallback,
+)
 from trl_statelens.lab import LabWorld, format_plain  # noqa: E402
 
 torch.set_num_threads(1)
@@ -90,6 +96,36 @@ def counting_compute_loss(model, inputs):
 grpo._compute_loss = counting_compute_loss
 grpo.train()
 
+# On-policy distillation with teacher continuations and a mix of state sources: teacher generation on each rank
+opd = OnPolicyDistillTrainer(
+    model=model_path,
+    teacher_model=model_path,
+    args=OnPolicyDistillConfig(
+        output_dir=str(output_dir / "opd"),
+        max_steps=2,
+        num_generations=2,
+        max_completion_length=8,
+        signal="continuation",
+        continuation_length=4,
+        state_source_mix={"learner": 0.5, "dataset": 0.25, "teacher": 0.25},
+        **common,
+    ),
+    train_dataset=dataset,
+    processing_class=tokenizer,
+    callbacks=[StateLoggingCallback(sample_rate=1.0)],
+)
+opd_tokens = []
+opd_compute_loss = opd._compute_loss
+
+
+def counting_opd_loss(model, inputs):
+    opd_tokens.append(int(inputs["loss_mask"].sum()))
+    return opd_compute_loss(model, inputs)
+
+
+opd._compute_loss = counting_opd_loss
+opd.train()
+
 accelerator = sft.accelerator
 (output_dir / f"rank{accelerator.process_index}.json").write_text(
     json.dumps(
@@ -99,6 +135,7 @@ accelerator = sft.accelerator
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "sft_tokens_per_micro_batch": sft_tokens,
             "grpo_tokens_per_step": grpo_tokens,
+            "opd_tokens_per_step": opd_tokens,
         }
     )
 )
