@@ -1,4 +1,4 @@
-"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``."""
+"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``, ``statelens report``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 
 
 def _lab_build(args: argparse.Namespace) -> int:
-    from .lab import build_lab, lab_info
+    from .lab import build_lab, build_teacher, lab_info
 
     root = build_lab(seed=args.seed, size=args.size, force=args.force, max_steps=args.max_steps)
+    build_teacher(seed=args.seed, steps=args.teacher_steps, force=args.force)
     info = lab_info(args.seed)
     print(f"lab ready at {root}")
     _print_info(info)
@@ -40,6 +41,12 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .report import run_report_cli
+
+    return run_report_cli(args)
+
+
 def _print_info(info: dict) -> None:
     scores = info["test_scores"]
     print(
@@ -50,6 +57,12 @@ def _print_info(info: dict) -> None:
         f"  test scores: math {scores['math']:.3f}  kb (MMLU analog) {scores['kb']:.3f}  "
         f"truth (TruthfulQA analog) {scores['truth']:.3f}  in band: {info['in_band']}"
     )
+    if "teacher" in info:
+        teacher = info["teacher"]["test_scores"]
+        print(
+            f"  teacher (base fine-tuned on lab math): math {teacher['math']:.3f}  kb {teacher['kb']:.3f}  "
+            f"truth {teacher['truth']:.3f}"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     lab = commands.add_parser("lab", help="the offline lab world").add_subparsers(dest="lab_command", required=True)
-    build = lab.add_parser("build", help="build the lab data, tokenizer and pretrained base model (cached)")
+    build = lab.add_parser(
+        "build", help="build the lab data, tokenizer, pretrained base model and math teacher (cached)"
+    )
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--size", default="lab", help="model size: 'lab' (default) or 'test'")
     build.add_argument("--max-steps", type=int, default=1200, help="pretraining step limit")
+    build.add_argument("--teacher-steps", type=int, default=150, help="fine-tuning steps of the lab math teacher")
     build.add_argument("--force", action="store_true", help="rebuild even if a cached lab exists")
     build.set_defaults(func=_lab_build)
     info = lab.add_parser("info", help="print what is cached and the base model's measured scores")
@@ -73,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="evaluate a model on gsm8k, truthfulqa and mmlu (or the lab's tasks)")
     add_eval_arguments(evaluate)
     evaluate.set_defaults(func=_eval)
+
+    from .report import add_report_arguments
+
+    report = commands.add_parser("report", help="compare run folders: the study's Table 2, state statistics and plots")
+    add_report_arguments(report)
+    report.set_defaults(func=_report)
     return parser
 
 

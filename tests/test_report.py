@@ -1,0 +1,278 @@
+"""`statelens report` on small synthetic run folders written in the recipes' layout."""
+
+import argparse
+import itertools
+import json
+import re
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from trl_statelens.evaluation import retention_summary
+from trl_statelens.report import add_report_arguments, run_report_cli, write_report
+
+PLOTS = ["state_curves.png", "prefix_lengths.png", "drift.png", "tradeoff.png", "teacher_kl.png"]
+
+
+def evaluation(gsm8k, truthfulqa, mmlu):
+    scores = {"gsm8k": gsm8k, "truthfulqa": truthfulqa, "mmlu": mmlu}
+    return {
+        "model": "lab/base",
+        "scores": scores,
+        "primary_metrics": {"gsm8k": "accuracy", "truthfulqa": "mc1", "mmlu": "accuracy"},
+        "metrics": {"gsm8k": {"accuracy": gsm8k}, "truthfulqa": {"mc1": truthfulqa}, "mmlu": {"accuracy": mmlu}},
+    }
+
+
+def step_lines(num_steps, *, sources, teacher=False, seed=0):
+    """Per-step aggregates as the callback writes them, with a trend so the curves are not flat."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for step in range(1, num_steps + 1):
+        nll = 2.0 * np.exp(-step / num_steps) + 0.05 * rng.standard_normal()
+        entropy = 1.2 + 0.05 * rng.standard_normal()
+        tokens = int(rng.integers(200, 400))
+        line = {
+            "step": step,
+            "epoch": step / num_steps,
+            "supervised_tokens": float(tokens),
+            "sequences": 8.0,
+            "state_nll": nll,
+            "state_entropy": entropy,
+            "offpolicy_gap": nll - entropy,
+            **{f"source_frac/{name}": share for name, share in sources.items()},
+            "prefix_len/p10": 2.0,
+            "prefix_len/p50": 12.0 + step % 3,
+            "prefix_len/p90": 40.0,
+            "prefix_len/mean": 16.0,
+            "prefix_len/max": 60.0 + step % 5,
+            "weight/mean": 1.0,
+            "weight/abs_mean": 1.0,
+            "weight/positive_frac": 1.0,
+            "prefix_len_hist": [8, 16, 30, 60, 80, 70, 30 + step % 4],
+        }
+        if teacher:
+            line["teacher_kl"] = 0.8 * np.exp(-step / num_steps) + 0.02 * rng.standard_normal()
+            line["teacher_nll"] = 1.5
+        lines.append(line)
+    return lines
+
+
+def drift_lines(num_probes, scale):
+    return [
+        {
+            "step": 5 * i,
+            "mmd": scale * i,
+            "centroid": 0.1 * i,
+            "sliced_wasserstein": 0.02 * i,
+            "jaccard": 0.05 * i,
+            "num_states": 64,
+        }
+        for i in range(num_probes)
+    ]
+
+
+def write_run(folder, *, results=None, steps=None, drift=None, log_history=None):
+    (folder / "statelens").mkdir(parents=True)
+    if results is not None:
+        (folder / "results.json").write_text(json.dumps(results))
+    if log_history is not None:
+        (folder / "log_history.json").write_text(json.dumps(log_history))
+    for name, lines in (("steps.jsonl", steps), ("drift.jsonl", drift)):
+        if lines is not None:
+            (folder / "statelens" / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
+
+
+def results_json(recipe, trainer, baseline, run_name, before, after, drift):
+    return {
+        "recipe": recipe,
+        "trainer": trainer,
+        "baseline": baseline,
+        "run_name": run_name,
+        "model": "lab/base",
+        "teacher": None,
+        "seed": 0,
+        "before": before,
+        "after": after,
+        "retention": retention_summary(before, after) if before else None,
+        "final_drift": {"mmd": drift[-1]["mmd"], "centroid": 0.4, "sliced_wasserstein": 0.08, "jaccard": 0.2},
+        "train_seconds": 12.5,
+    }
+
+
+BASE = evaluation(0.448, 0.300, 0.436)
+SFT_AFTER = evaluation(0.512, 0.295, 0.444)
+STOCK_BEFORE = evaluation(0.448, 0.310, 0.430)  # a slightly different base eval: its own retention differs
+STOCK_AFTER = evaluation(0.420, 0.245, 0.364)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """A complete StateLens SFT run, a stock-TRL baseline without steps.jsonl, an OPD run without results.json."""
+    sft_drift = drift_lines(6, 0.002)
+    sft = write_run(
+        tmp_path / "sft",
+        results=results_json("sft", "StateLensSFTTrainer", "statelens", "mild-sft", BASE, SFT_AFTER, sft_drift),
+        steps=step_lines(40, sources={"dataset": 1.0, "learner": 0.0, "teacher": 0.0}),
+        drift=sft_drift,
+        log_history=[{"step": s, "loss": 2.0 - s / 40} for s in range(1, 41)],
+    )
+    stock_drift = drift_lines(6, 0.0025)
+    stock = write_run(
+        tmp_path / "stock",
+        results=results_json("sft", "SFTTrainer", "stock", "stock-sft", STOCK_BEFORE, STOCK_AFTER, stock_drift),
+        drift=stock_drift,
+    )
+    opd = write_run(
+        tmp_path / "opd",
+        steps=step_lines(40, sources={"dataset": 0.0, "learner": 0.75, "teacher": 0.25}, teacher=True, seed=1),
+        drift=drift_lines(6, 0.003),
+        log_history=[{"step": s, "loss": 1.0, "teacher_kl": 0.5} for s in range(1, 41)],
+    )
+    return {"sft": sft, "stock": stock, "opd": opd}
+
+
+def markdown_table(text, heading):
+    """The first table after `## heading` as a list of {column: cell}."""
+    section = text.split(f"## {heading}", 1)[1]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    header, body = cells[0], cells[2:]
+    return {row[0]: dict(zip(header, row)) for row in body}
+
+
+def close(cell, value, decimals):
+    assert cell != "-", f"expected {value}, the table shows no value"
+    assert float(cell) == pytest.approx(value, abs=0.5 * 10**-decimals + 1e-12)
+
+
+def assert_not_blank(path):
+    pixels = imread(path)[..., :3]
+    assert pixels.ndim == 3 and pixels.shape[0] > 300 and pixels.shape[1] > 500, f"{path.name}: {pixels.shape}"
+    assert pixels.var() > 1e-3, f"{path.name} looks blank (pixel variance {pixels.var():.2e})"
+
+
+def test_report_tables_plots_and_notes(runs, tmp_path):
+    out = tmp_path / "report"
+    report_path = write_report([runs["sft"], runs["stock"], runs["opd"]], out)
+    text = report_path.read_text()
+
+    table = markdown_table(text, "Scores, drift and retention")
+    assert list(table) == ["Base", "mild-sft", "stock-sft", "opd"]  # base row first, then the runs in order
+    for task, column in (("gsm8k", "GSM8K"), ("truthfulqa", "TruthfulQA"), ("mmlu", "MMLU")):
+        close(table["Base"][column], BASE["scores"][task], 4)  # the first run's `before`
+        close(table["mild-sft"][column], SFT_AFTER["scores"][task], 4)
+        close(table["stock-sft"][column], STOCK_AFTER["scores"][task], 4)
+        assert table["opd"][column] == "-"
+    for name, after in (("mild-sft", SFT_AFTER), ("stock-sft", STOCK_AFTER)):
+        expected = retention_summary(BASE, after)  # against the Base row, as in the study
+        close(table[name]["Forgetting"], expected["forgetting"], 4)
+        close(table[name]["Retention"], expected["retention"], 4)
+        run_results = json.loads((runs["sft" if name == "mild-sft" else "stock"] / "results.json").read_text())
+        assert float(table[name]["MMD drift"]) == pytest.approx(run_results["final_drift"]["mmd"], rel=1e-3)
+    assert float(table["opd"]["MMD drift"]) == pytest.approx(0.003 * 5, rel=1e-3)  # last drift.jsonl line
+    assert table["opd"]["Forgetting"] == table["opd"]["Retention"] == "-"
+
+    states = markdown_table(text, "State statistics")
+    sft_steps = [json.loads(line) for line in (runs["sft"] / "statelens" / "steps.jsonl").read_text().splitlines()]
+    tokens = np.array([s["supervised_tokens"] for s in sft_steps])
+    assert int(states["mild-sft"]["Supervised tokens"].replace(",", "")) == tokens.sum()
+    weighted_nll = np.average([s["state_nll"] for s in sft_steps], weights=tokens)
+    close(states["mild-sft"]["state_nll"], weighted_nll, 4)
+    close(states["mild-sft"]["dataset"], 1.0, 3)
+    assert states["mild-sft"]["teacher_kl"] == "-"
+    close(states["opd"]["learner"], 0.75, 3)
+    close(states["opd"]["teacher"], 0.25, 3)
+    assert states["opd"]["teacher_kl"] != "-"
+    assert set(states["stock-sft"].values()) == {"stock-sft", "-"}
+
+    # visible notes for what is missing
+    assert "a stock TRL baseline records no per-step states" in text
+    assert "no `results.json`: no evaluation scores" in text
+    assert "Base: the `before` evaluation of `mild-sft`" in text
+    assert "`stock-sft`: against its own `before` evaluation" in text  # its stored retention differs from the table
+
+    for name in PLOTS:
+        assert f"]({name})" in text
+        assert_not_blank(out / name)
+
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == len(PLOTS)
+    assert "<table>" in page and "mild-sft" in page and 'class="note"' in page
+
+
+def test_base_run_and_cli(runs, tmp_path, capsys):
+    base = write_run(
+        tmp_path / "base-eval",
+        results={"recipe": "eval", "run_name": "base-model", "before": None, "after": evaluation(0.4, 0.32, 0.42)},
+    )
+    parser = add_report_arguments(argparse.ArgumentParser())
+    out = tmp_path / "cli-report"
+    # the base run listed among the runs too: it is the Base row, not also a run row
+    args = parser.parse_args([str(runs["stock"]), str(base), "--out", str(out), "--base", str(base)])
+    assert run_report_cli(args) == 0
+    assert "report written" in capsys.readouterr().out
+
+    text = (out / "report.md").read_text()
+    table = markdown_table(text, "Scores, drift and retention")
+    assert list(table) == ["Base", "stock-sft"]
+    close(table["Base"]["GSM8K"], 0.4, 4)
+    expected = retention_summary(evaluation(0.4, 0.32, 0.42), STOCK_AFTER)
+    close(table["stock-sft"]["Forgetting"], expected["forgetting"], 4)
+    close(table["stock-sft"]["Retention"], expected["retention"], 4)
+    assert "Base: the `after` evaluation of `base-model` (--base)" in text
+    # no run has state records or a teacher: those plots are skipped with a note, the others drawn
+    assert "No plot 'State NLL and off-policy gap over steps'" in text
+    assert "No plot 'Prefix lengths of supervised tokens'" in text
+    assert "No plot 'Teacher KL over steps'" in text
+    for name in ("drift.png", "tradeoff.png"):
+        assert_not_blank(out / name)
+    assert not (out / "state_curves.png").exists()
+
+
+def test_partial_ledger_and_log_history_fallback(tmp_path):
+    """A run still writing (a cut last line) and a run whose ledger is gone but whose log history has the metrics."""
+    writing = write_run(tmp_path / "writing", steps=step_lines(5, sources={"learner": 1.0}))
+    with open(writing / "statelens" / "steps.jsonl", "a") as f:
+        f.write('{"step": 6, "state_')
+    logged = write_run(
+        tmp_path / "logged",
+        log_history=[
+            {
+                "step": s,
+                "loss": 1.0,
+                "statelens/state_nll": 1.5,
+                "statelens/offpolicy_gap": 0.2,
+                "statelens/drift/mmd": 0.01,
+            }
+            for s in (10, 20)
+        ],
+    )
+    text = write_report([writing, logged], tmp_path / "out").read_text()
+    assert "skipped 1 line(s) that are not valid JSON" in text
+    assert "state curves from `log_history.json`" in text
+    assert "Base: no run has a `before` evaluation" in text
+    states = markdown_table(text, "State statistics")
+    assert states["writing"]["Steps"] == "5"
+    close(states["logged"]["state_nll"], 1.5, 4)
+    assert_not_blank(tmp_path / "out" / "state_curves.png")
+
+
+def test_clear_errors_for_missing_or_empty_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope")) + ".*results.json"):
+        write_report([tmp_path / "nope"], tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no run files"):
+        write_report([tmp_path / "empty"], tmp_path / "out")
+
+
+def test_cli_reports_a_bad_folder_in_one_line(tmp_path, capsys):
+    parser = add_report_arguments(argparse.ArgumentParser())
+    args = parser.parse_args([str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    assert run_report_cli(args) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("statelens report: error: run folder") and "does not exist" in error

@@ -1,0 +1,726 @@
+"""`statelens report`: the study's Table 2, state statistics and plots across run folders.
+
+A run folder is what the recipes write (any piece may be missing; the report says which and goes on):
+
+- `results.json`: recipe, trainer, baseline (`statelens` or `stock`), run name, the `before` and `after` evaluations
+  (:func:`~trl_statelens.evaluation.evaluate_model` without records), `retention`, `final_drift`;
+- `statelens/steps.jsonl`: one line per optimizer step of state aggregates and `prefix_len_hist` (StateLens trainers
+  only; a stock TRL baseline has none);
+- `statelens/drift.jsonl`: one line per probe step of drift distances against step 0;
+- `log_history.json`: the trainer's `state.log_history`.
+
+:func:`write_report` writes `report.md`, a self-contained `report.html` (images embedded as data URIs) and one PNG
+per question into the output folder. Forgetting and Retention in the table are taken against the Base row, the
+study's definition, with :func:`~trl_statelens.evaluation.retention_summary`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .evaluation import retention_summary
+
+TARGET_TASK = "gsm8k"
+SCORE_COLUMNS = {"gsm8k": "GSM8K", "truthfulqa": "TruthfulQA", "mmlu": "MMLU"}
+TABLE2_HEADER = ["Run", *SCORE_COLUMNS.values(), "MMD drift", "Forgetting", "Retention"]
+STATE_TABLE_HEADER = [
+    "Run",
+    "Steps",
+    "Supervised tokens",
+    "dataset",
+    "learner",
+    "teacher",
+    "state_nll",
+    "state_entropy",
+    "offpolicy_gap",
+    "prefix p10",
+    "prefix p50",
+    "prefix p90",
+    "prefix max",
+    "teacher_kl",
+]
+MISSING = "-"
+RUN_FOLDER_CONTENTS = (
+    "a run folder holds results.json, statelens/steps.jsonl, statelens/drift.jsonl and/or log_history.json, "
+    "as written by the recipes"
+)
+FIGURE_SIZE = (7.0, 4.5)
+TALL_FIGURE_SIZE = (7.0, 6.0)
+DPI = 120
+SMOOTH_ABOVE_POINTS = 100  # longer curves are drawn faint per step, with a moving average on top
+
+
+# ----- reading run folders ----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What one run folder holds; `None` for each missing piece, with a note saying so."""
+
+    path: Path
+    label: str
+    results: dict | None
+    steps: pd.DataFrame | None  # one row per optimizer step
+    drift: pd.DataFrame | None  # one row per probe step
+    log_history: list[dict] | None
+    notes: list[str] = field(default_factory=list)
+
+    def evaluation(self, which: str) -> dict | None:
+        """Task scores of the `before` or `after` evaluation, or None."""
+        evaluation = (self.results or {}).get(which)
+        if not isinstance(evaluation, dict) or not isinstance(evaluation.get("scores"), dict):
+            return None
+        return evaluation["scores"]
+
+    @property
+    def is_stock_baseline(self) -> bool:
+        return (self.results or {}).get("baseline") == "stock"
+
+
+def read_json(path: Path, notes: list[str]):
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        notes.append(f"`{path.name}` is not valid JSON ({err}); left out")
+        return None
+
+
+def read_jsonl(path: Path, notes: list[str]) -> pd.DataFrame | None:
+    """One row per line; a line that does not parse (say, the last line of a run still writing) is skipped."""
+    if not path.is_file():
+        return None
+    rows, bad_lines = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            bad_lines += 1
+    if bad_lines:
+        notes.append(f"`{path.parent.name}/{path.name}`: skipped {bad_lines} line(s) that are not valid JSON")
+    if not rows:
+        notes.append(f"`{path.parent.name}/{path.name}` is empty")
+        return None
+    frame = pd.DataFrame(rows)
+    if "step" not in frame:
+        notes.append(f"`{path.parent.name}/{path.name}` has no `step` field: lines are numbered 1, 2, ... instead")
+        frame["step"] = np.arange(1, len(frame) + 1)
+    return frame.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def frame_from_log_history(log_history: list[dict], prefix: str, required: str) -> pd.DataFrame | None:
+    """The `prefix`-keyed metrics the trainer logged (averages over its logging interval), prefix removed."""
+    rows = [
+        {"step": entry["step"], **{k[len(prefix) :]: v for k, v in entry.items() if k.startswith(prefix)}}
+        for entry in log_history
+        if isinstance(entry, dict) and "step" in entry and f"{prefix}{required}" in entry
+    ]
+    return pd.DataFrame(rows) if rows else None
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one run folder. Raises if the folder does not exist or holds none of the run files."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run folder {str(path)!r} does not exist: {RUN_FOLDER_CONTENTS}")
+    notes: list[str] = []
+    results = read_json(path / "results.json", notes)
+    if results is not None and not isinstance(results, dict):
+        notes.append("`results.json` is not a JSON object; left out")
+        results = None
+    log_history = read_json(path / "log_history.json", notes)
+    if isinstance(log_history, dict):  # a whole trainer_state.json copied in place of its log_history
+        log_history = log_history.get("log_history")
+    if log_history is not None and not isinstance(log_history, list):
+        notes.append("`log_history.json` is not a list of log entries; left out")
+        log_history = None
+    steps = read_jsonl(path / "statelens" / "steps.jsonl", notes)
+    drift = read_jsonl(path / "statelens" / "drift.jsonl", notes)
+    if results is None and steps is None and drift is None and log_history is None:
+        raise ValueError(f"{str(path)!r} holds no run files: {RUN_FOLDER_CONTENTS}")
+
+    if results is None:
+        notes.append("no `results.json`: no evaluation scores")
+    elif not isinstance(results.get("after"), dict):
+        notes.append("`results.json` has no `after` evaluation: no scores")
+    is_stock = (results or {}).get("baseline") == "stock"
+    if steps is None and log_history:
+        steps = frame_from_log_history(log_history, "statelens/", "state_nll")
+        if steps is not None:
+            notes.append("no `statelens/steps.jsonl`: state curves from `log_history.json` (logged averages)")
+    if steps is None:
+        why = "a stock TRL baseline records no per-step states" if is_stock else "no `statelens/steps.jsonl`"
+        notes.append(f"{why}: no state statistics or state curves")
+    if drift is None and log_history:
+        drift = frame_from_log_history(log_history, "statelens/drift/", "mmd")
+        if drift is not None:
+            notes.append("no `statelens/drift.jsonl`: drift curves from `log_history.json`")
+    if drift is None:
+        notes.append("no probe drift (`statelens/drift.jsonl`)")
+
+    label = str((results or {}).get("run_name") or path.resolve().name)
+    return Run(path=path, label=label, results=results, steps=steps, drift=drift, log_history=log_history, notes=notes)
+
+
+def make_labels_unique(runs: list[Run]) -> None:
+    """Two runs with the same run name get their folder names added, so legends and rows tell them apart."""
+    counts = pd.Series([run.label for run in runs]).value_counts()
+    for run in runs:
+        if counts[run.label] > 1:
+            run.label = f"{run.label} ({run.path})"
+
+
+# ----- numbers -----------------------------------------------------------------------------------------------------
+def column(frame: pd.DataFrame | None, name: str) -> np.ndarray | None:
+    """`frame[name]` as floats (NaN where absent), or None when the column is missing or all NaN."""
+    if frame is None or name not in frame:
+        return None
+    values = pd.to_numeric(frame[name], errors="coerce").to_numpy(dtype=float)
+    return values if np.isfinite(values).any() else None
+
+
+def token_weighted_mean(steps: pd.DataFrame | None, name: str) -> float | None:
+    """Mean of a per-step metric, each step weighted by its supervised tokens (the mean over supervised tokens)."""
+    values = column(steps, name)
+    if values is None:
+        return None
+    weights = column(steps, "supervised_tokens")
+    weights = np.ones_like(values) if weights is None else np.nan_to_num(weights)
+    usable = np.isfinite(values) & (weights > 0)
+    if not usable.any():
+        return None
+    return float(np.average(values[usable], weights=weights[usable]))
+
+
+def teacher_kl_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, teacher_kl) from the ledger, else from the trainer's log history (OPD trainers log it)."""
+    for frame in (run.steps, frame_from_log_history(run.log_history or [], "", "teacher_kl")):
+        values = column(frame, "teacher_kl")
+        if values is not None:
+            keep = np.isfinite(values)
+            return frame["step"].to_numpy(dtype=float)[keep], values[keep]
+    return None
+
+
+def final_mmd(run: Run) -> float | None:
+    final_drift = (run.results or {}).get("final_drift")
+    if isinstance(final_drift, dict) and final_drift.get("mmd") is not None:
+        return float(final_drift["mmd"])
+    values = column(run.drift, "mmd")
+    if values is not None:
+        run.notes.append("MMD drift is the last `drift.jsonl` value (`results.json` has no `final_drift`)")
+        return float(values[np.isfinite(values)][-1])
+    return None
+
+
+def prefix_histogram(steps: pd.DataFrame | None) -> np.ndarray | None:
+    """Supervised tokens per prefix-length bin, summed over steps (bin k: prefix lengths [2**k - 1, 2**(k+1) - 1))."""
+    if steps is None or "prefix_len_hist" not in steps:
+        return None
+    hists = [h for h in steps["prefix_len_hist"] if isinstance(h, list) and h]
+    if not hists:
+        return None
+    lengths = np.fromiter(map(len, hists), dtype=np.int64, count=len(hists))
+    counts = np.fromiter(itertools.chain.from_iterable(hists), dtype=float, count=int(lengths.sum()))
+    bin_of_each = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    totals = np.bincount(bin_of_each, weights=counts)
+    return totals if totals.sum() > 0 else None
+
+
+def prefix_bin_label(k: int) -> str:
+    low, high = 2**k - 1, 2 ** (k + 1) - 2
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return MISSING
+    return format(value, spec)
+
+
+# ----- the report as blocks, rendered to Markdown and HTML ----------------------------------------------------------
+@dataclass
+class Block:
+    kind: str  # "heading", "text", "note", "table", "image"
+    text: str = ""
+    header: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    image: Path | None = None
+
+
+def note(text: str) -> Block:
+    return Block("note", text)
+
+
+def base_scores_for(runs: list[Run], base: Run | None) -> tuple[dict | None, str]:
+    """The Base row's scores and a sentence saying where they come from."""
+    if base is not None:
+        scores = base.evaluation("after")
+        if scores is not None:
+            return scores, f"Base: the `after` evaluation of `{base.label}` (--base)."
+        return None, f"Base: --base `{base.label}` has no `after` evaluation, so there is no base row."
+    for index, run in enumerate(runs):
+        scores = run.evaluation("before")
+        if scores is not None:
+            skipped = "" if index == 0 else " (the first run with one)"
+            return scores, f"Base: the `before` evaluation of `{run.label}`{skipped}; pass --base RUN_DIR to choose."
+    return None, "Base: no run has a `before` evaluation and no --base was given, so there is no base row."
+
+
+def table2(runs: list[Run], base_scores: dict | None, base_source: str) -> list[Block]:
+    rows, notes = [], [base_source]
+    if base_scores is not None:
+        rows.append(["Base", *(fmt(base_scores.get(t), ".4f") for t in SCORE_COLUMNS), MISSING, MISSING, MISSING])
+    for run in runs:
+        after = run.evaluation("after")
+        forgetting = retention = None
+        if after is not None and base_scores is not None:
+            try:
+                summary = retention_summary(base_scores, after)
+                forgetting, retention = summary["forgetting"], summary["retention"]
+            except ValueError as err:
+                notes.append(f"`{run.label}`: no Forgetting/Retention ({err}).")
+            own = (run.results or {}).get("retention")
+            if forgetting is not None and isinstance(own, dict) and own.get("forgetting") is not None:
+                if abs(own["forgetting"] - forgetting) > 1e-9 or abs(own["retention"] - retention) > 1e-9:
+                    notes.append(
+                        f"`{run.label}`: against its own `before` evaluation (results.json `retention`), "
+                        f"Forgetting {own['forgetting']:.4f}, Retention {own['retention']:.4f}."
+                    )
+        scores = after or {}
+        rows.append(
+            [
+                run.label,
+                *(fmt(scores.get(t), ".4f") for t in SCORE_COLUMNS),
+                fmt(final_mmd(run), ".4g"),
+                fmt(forgetting, ".4f"),
+                fmt(retention, ".4f"),
+            ]
+        )
+    blocks = [
+        Block("heading", "Scores, drift and retention (the study's Table 2)"),
+        Block("table", header=TABLE2_HEADER, rows=rows),
+        Block(
+            "text",
+            "Scores are accuracies of the `after` evaluation. Forgetting = mean(base - post) and Retention = "
+            "mean(post / base) over TruthfulQA and MMLU, against the Base row. MMD drift: the final probe drift "
+            "(MMD², RBF kernel) of the learner's own states against step 0.",
+        ),
+    ]
+    return blocks + [note(text) for text in notes]
+
+
+def state_table(runs: list[Run]) -> list[Block]:
+    rows, notes = [], []
+    for run in runs:
+        steps = run.steps
+        if steps is None:
+            rows.append([run.label] + [MISSING] * (len(STATE_TABLE_HEADER) - 1))
+            notes.append(f"`{run.label}`: no per-step state records.")
+            continue
+        tokens = column(steps, "supervised_tokens")
+        prefix_max = column(steps, "prefix_len/max")
+        rows.append(
+            [
+                run.label,
+                str(len(steps)),
+                fmt(None if tokens is None else int(np.nansum(tokens)), ","),
+                *(
+                    fmt(token_weighted_mean(steps, f"source_frac/{s}"), ".3f")
+                    for s in ("dataset", "learner", "teacher")
+                ),
+                *(fmt(token_weighted_mean(steps, m), ".4f") for m in ("state_nll", "state_entropy", "offpolicy_gap")),
+                *(fmt(token_weighted_mean(steps, f"prefix_len/{q}"), ".1f") for q in ("p10", "p50", "p90")),
+                fmt(None if prefix_max is None else float(np.nanmax(prefix_max)), ".0f"),
+                fmt(token_weighted_mean(steps, "teacher_kl"), ".4f"),
+            ]
+        )
+    return [
+        Block("heading", "State statistics"),
+        Block("table", header=STATE_TABLE_HEADER, rows=rows),
+        Block(
+            "text",
+            "Supervised tokens: the total over all steps. dataset / learner / teacher: share of supervised tokens by "
+            "state source. The other columns are per-step values averaged over steps, each step weighted by its "
+            "supervised tokens (prefix quantiles are per-step quantiles so averaged); prefix max is the longest "
+            "supervised prefix of the run; teacher_kl only where a teacher scored the tokens.",
+        ),
+        *(note(text) for text in notes),
+    ]
+
+
+# ----- plots -------------------------------------------------------------------------------------------------------
+def new_figure(size=FIGURE_SIZE, rows: int = 1):
+    """A figure on the Agg canvas directly: no pyplot, so no global backend switch and no figures left open."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=size, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return figure, axes
+
+
+def save(figure, out_dir: Path, name: str) -> Path:
+    path = out_dir / name
+    figure.savefig(path, dpi=DPI)
+    return path
+
+
+def plot_curve(ax, x: np.ndarray, y: np.ndarray, style: dict, label: str, smooth: bool = True) -> None:
+    """Short curves as they are; long noisy ones faint per step with a moving average on top, so trends show.
+
+    Probe drift is already a smooth, sparse curve: it is drawn with `smooth=False`, as measured.
+    """
+    keep = np.isfinite(y)
+    x, y = x[keep], y[keep]
+    color, width = style["color"], style["width"]
+    if not smooth or len(y) <= SMOOTH_ABOVE_POINTS:
+        marker = style["marker"] if len(y) <= 30 else None
+        ax.plot(x, y, color=color, label=label, linewidth=width, marker=marker, markersize=2.5 * width)
+        return
+    window = max(5, len(y) // 50)  # 2% of the steps
+    smooth = pd.Series(y).rolling(window, center=True, min_periods=1).mean().to_numpy()
+    ax.plot(x, y, color=color, alpha=0.25, linewidth=0.8)
+    ax.plot(x, smooth, color=color, label=label, linewidth=width)
+
+
+def finish_legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=9, loc="best", framealpha=0.85)
+
+
+def plot_state_curves(runs, styles, out_dir) -> Path | None:
+    with_steps = [run for run in runs if column(run.steps, "state_nll") is not None]
+    if not with_steps:
+        return None
+    figure, (nll_ax, gap_ax) = new_figure(TALL_FIGURE_SIZE, rows=2)
+    for run in with_steps:
+        steps = run.steps["step"].to_numpy(dtype=float)
+        plot_curve(nll_ax, steps, column(run.steps, "state_nll"), styles[run.label], run.label)
+        gap = column(run.steps, "offpolicy_gap")
+        if gap is not None:
+            plot_curve(gap_ax, steps, gap, styles[run.label], run.label)
+    nll_ax.set_title("Learner NLL of the supervised tokens (state_nll)")
+    nll_ax.set_ylabel("state_nll (nats)")
+    gap_ax.set_title("Off-policy gap: state_nll - state_entropy (about 0 for self-sampled tokens)")
+    gap_ax.set_ylabel("offpolicy_gap (nats)")
+    gap_ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
+    gap_ax.set_xlabel("optimizer step")
+    finish_legend(nll_ax)
+    return save(figure, out_dir, "state_curves.png")
+
+
+def plot_prefix_histograms(runs, styles, out_dir) -> Path | None:
+    histograms = {run.label: h for run in runs if (h := prefix_histogram(run.steps)) is not None}
+    if not histograms:
+        return None
+    num_bins = max(len(h) for h in histograms.values())
+    figure, (ax,) = new_figure()
+    width = 0.8 / len(histograms)
+    for index, (label, hist) in enumerate(histograms.items()):
+        share = np.pad(hist, (0, num_bins - len(hist))) / hist.sum()
+        ax.bar(
+            np.arange(num_bins) + (index - (len(histograms) - 1) / 2) * width,
+            share,
+            width,
+            color=styles[label]["color"],
+            label=label,
+        )
+    ax.set_xticks(
+        np.arange(num_bins), [prefix_bin_label(k) for k in range(num_bins)], rotation=30 if num_bins > 8 else 0
+    )
+    ax.set_xlabel("prefix length (tokens since the prompt)")
+    ax.set_ylabel("share of supervised tokens")
+    ax.set_title("Where supervision lands: prefix lengths of supervised tokens")
+    finish_legend(ax)
+    return save(figure, out_dir, "prefix_lengths.png")
+
+
+def plot_drift(runs, styles, out_dir) -> Path | None:
+    with_drift = [run for run in runs if column(run.drift, "mmd") is not None]
+    if not with_drift:
+        return None
+    figure, (mmd_ax, sw_ax) = new_figure(TALL_FIGURE_SIZE, rows=2)
+    for run in with_drift:
+        steps = run.drift["step"].to_numpy(dtype=float)
+        plot_curve(mmd_ax, steps, column(run.drift, "mmd"), styles[run.label], run.label, smooth=False)
+        sliced = column(run.drift, "sliced_wasserstein")
+        if sliced is not None:
+            plot_curve(sw_ax, steps, sliced, styles[run.label], run.label, smooth=False)
+    mmd_ax.set_title("Probe drift of the learner's own states vs step 0: MMD²")
+    mmd_ax.set_ylabel("MMD² (RBF kernel)")
+    sw_ax.set_title("Probe drift: sliced Wasserstein distance")
+    sw_ax.set_ylabel("sliced Wasserstein")
+    sw_ax.set_xlabel("optimizer step")
+    finish_legend(mmd_ax)
+    return save(figure, out_dir, "drift.png")
+
+
+def plot_tradeoff(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
+    points = []
+    for run in runs:
+        after = run.evaluation("after")
+        if base_scores is None or after is None or after.get(TARGET_TASK) is None:
+            continue
+        try:
+            points.append((run.label, retention_summary(base_scores, after)["retention"], after[TARGET_TASK]))
+        except ValueError:
+            continue
+    if not points:
+        return None
+    figure, (ax,) = new_figure()
+    if base_scores.get(TARGET_TASK) is not None:
+        ax.scatter([1.0], [base_scores[TARGET_TASK]], marker="*", s=160, color="black", label="Base", zorder=3)
+        ax.axhline(base_scores[TARGET_TASK], color="gray", linewidth=0.8, linestyle="--")
+    ax.axvline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    for label, retention, target in points:
+        size = 30 * styles[label]["width"] ** 2  # earlier runs larger, so a later run on the same spot leaves a ring
+        ax.scatter([retention], [target], s=size, color=styles[label]["color"], label=label, zorder=3)
+    # runs on the same spot share one annotation instead of printing their names over each other
+    spots = pd.DataFrame(points, columns=["label", "retention", "target"]).round({"retention": 6, "target": 6})
+    for (retention, target), group in spots.groupby(["retention", "target"], sort=False):
+        ax.annotate(
+            ", ".join(group["label"]), (retention, target), textcoords="offset points", xytext=(7, 5), fontsize=8
+        )
+    ax.set_xlabel("Retention (mean post / base over TruthfulQA and MMLU)")
+    ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
+    ax.set_title("Trade-off: target score vs retention (up and right is better)")
+    ax.margins(x=0.2, y=0.15)
+    finish_legend(ax)
+    return save(figure, out_dir, "tradeoff.png")
+
+
+def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
+    curves = {run.label: curve for run in runs if (curve := teacher_kl_curve(run)) is not None}
+    if not curves:
+        return None
+    figure, (ax,) = new_figure()
+    for label, (steps, values) in curves.items():
+        plot_curve(ax, steps, values, styles[label], label)
+    ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("teacher_kl (nats per token)")
+    ax.set_title("Sampled reverse KL to the teacher: log p_student - log p_teacher")
+    finish_legend(ax)
+    return save(figure, out_dir, "teacher_kl.png")
+
+
+def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> list[Block]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return [
+            Block("heading", "Plots"),
+            note("No plots: matplotlib is not installed (`pip install 'trl-statelens[plots]'`)."),
+        ]
+    palette = "tab10" if len(runs) <= 10 else "tab20"
+    from matplotlib import colormaps
+
+    markers = "osD^vP*Xh<>p"
+    # colour, marker shape and a line width that shrinks with the run's index: where two runs' curves or points
+    # coincide (a stock baseline matching its StateLens run), the earlier one still shows around the later one
+    last = max(len(runs) - 1, 1)
+    styles = {
+        run.label: {
+            "color": colormaps[palette](index % 20),
+            "marker": markers[index % len(markers)],
+            "width": 1.5 + 1.5 * (last - index) / last if len(runs) > 1 else 1.8,
+        }
+        for index, run in enumerate(runs)
+    }
+    plots = [
+        (
+            "State NLL and off-policy gap over steps",
+            lambda: plot_state_curves(runs, styles, out_dir),
+            "no run has per-step state records (`statelens/steps.jsonl`)",
+        ),
+        (
+            "Prefix lengths of supervised tokens",
+            lambda: plot_prefix_histograms(runs, styles, out_dir),
+            "no run has `prefix_len_hist` in `statelens/steps.jsonl`",
+        ),
+        (
+            "Probe drift over steps",
+            lambda: plot_drift(runs, styles, out_dir),
+            "no run has probe drift (`statelens/drift.jsonl`)",
+        ),
+        (
+            "Target score vs retention",
+            lambda: plot_tradeoff(runs, styles, out_dir, base_scores),
+            "it needs base scores and at least one run with an `after` evaluation",
+        ),
+        (
+            "Teacher KL over steps",
+            lambda: plot_teacher_kl(runs, styles, out_dir),
+            "no run logged `teacher_kl` (only on-policy distillation runs do)",
+        ),
+    ]
+    blocks = [
+        Block("heading", "Plots"),
+        Block(
+            "text",
+            "Each run keeps its colour in every plot; earlier runs are drawn wider, so a run that coincides with "
+            f"a later one still shows around it. Per-step curves longer than {SMOOTH_ABOVE_POINTS} steps are "
+            "drawn faint, with a moving average over 2% of the steps on top; probe drift is drawn as measured.",
+        ),
+    ]
+    for title, draw, missing in plots:
+        path = draw()
+        blocks.append(Block("image", title, image=path) if path else note(f"No plot '{title}': {missing}."))
+    return blocks
+
+
+def run_notes(runs: list[Run]) -> list[Block]:
+    blocks = [Block("heading", "Runs")]
+    rows = []
+    for run in runs:
+        results = run.results or {}
+        rows.append(
+            [
+                run.label,
+                str(results.get("recipe", MISSING)),
+                str(results.get("trainer", MISSING)),
+                str(results.get("baseline", MISSING)),
+                f"`{run.path}`",
+                "; ".join(run.notes) or "complete",
+            ]
+        )
+    blocks.append(Block("table", header=["Run", "Recipe", "Trainer", "Baseline", "Folder", "Notes"], rows=rows))
+    return blocks
+
+
+def markdown(blocks: list[Block]) -> str:
+    lines = ["# StateLens report", ""]
+    for block in blocks:
+        if block.kind == "heading":
+            lines += [f"## {block.text}", ""]
+        elif block.kind == "text":
+            lines += [block.text, ""]
+        elif block.kind == "note":
+            lines += [f"> **Note:** {block.text}", ""]
+        elif block.kind == "table":
+            lines.append("| " + " | ".join(block.header) + " |")
+            lines.append("|" + "---|" * len(block.header))
+            lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in block.rows]
+            lines.append("")
+        elif block.kind == "image":
+            lines += [f"### {block.text}", "", f"![{block.text}]({block.image.name})", ""]
+    return "\n".join(lines)
+
+
+def inline_code(text: str) -> str:
+    """HTML-escape, then turn Markdown's `code` spans into <code>."""
+    parts = html.escape(text).split("`")
+    return "".join(f"<code>{part}</code>" if index % 2 else part for index, part in enumerate(parts))
+
+
+HTML_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f3f3f3; }
+.note { background: #fff6e0; border-left: 4px solid #e0a800; padding: 0.4em 0.8em; }
+img { max-width: 100%; border: 1px solid #eee; }
+"""
+
+
+def html_page(blocks: list[Block]) -> str:
+    body = ["<h1>StateLens report</h1>"]
+    for block in blocks:
+        if block.kind == "heading":
+            body.append(f"<h2>{html.escape(block.text)}</h2>")
+        elif block.kind == "text":
+            body.append(f"<p>{inline_code(block.text)}</p>")
+        elif block.kind == "note":
+            body.append(f'<p class="note"><strong>Note:</strong> {inline_code(block.text)}</p>')
+        elif block.kind == "table":
+            header = "".join(f"<th>{html.escape(cell)}</th>" for cell in block.header)
+            rows = "".join(
+                "<tr>" + "".join(f"<td>{inline_code(cell)}</td>" for cell in row) + "</tr>" for row in block.rows
+            )
+            body.append(f"<table><thead><tr>{header}</tr></thead><tbody>{rows}</tbody></table>")
+        elif block.kind == "image":
+            data = base64.b64encode(block.image.read_bytes()).decode("ascii")
+            body.append(f"<h3>{html.escape(block.text)}</h3>")
+            body.append(f'<img alt="{html.escape(block.text)}" src="data:image/png;base64,{data}">')
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>StateLens report</title>'
+        f"<style>{HTML_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+# ----- entry points ------------------------------------------------------------------------------------------------
+def write_report(run_dirs, out_dir, base=None) -> Path:
+    """Compare run folders: write `report.md`, a self-contained `report.html` and PNG plots into `out_dir`.
+
+    Args:
+        run_dirs: run folders as the recipes write them (see the module docstring); each is a row and a curve.
+        out_dir: folder for the report (created).
+        base: a run folder whose `after` evaluation is the Base row (e.g. a `statelens eval` run of the base
+            model); default: the first run's `before` evaluation.
+
+    Returns:
+        The path of `report.md`.
+    """
+    if not run_dirs:
+        raise ValueError(f"write_report needs at least one run folder: {RUN_FOLDER_CONTENTS}")
+    base_run = load_run(base) if base is not None else None
+    base_path = base_run.path.resolve() if base_run is not None else None
+    # the base model's own evaluation run is the Base row, not a run row as well
+    runs = [load_run(path) for path in run_dirs if Path(path).resolve() != base_path]
+    make_labels_unique(runs)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    base_scores, base_source = base_scores_for(runs, base_run)
+    blocks = (
+        table2(runs, base_scores, base_source)
+        + state_table(runs)
+        + plot_blocks(runs, out_dir, base_scores)
+        + run_notes(runs)
+    )
+    report_path = out_dir / "report.md"
+    report_path.write_text(markdown(blocks), encoding="utf-8")
+    (out_dir / "report.html").write_text(html_page(blocks), encoding="utf-8")
+    return report_path
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of `statelens report`."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders written by the recipes")
+    parser.add_argument("--out", required=True, help="folder for report.md, report.html and the PNG plots")
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="RUN_DIR",
+        help="run folder whose `after` scores form the Base row (e.g. an eval of the base model); "
+        "default: the first run's `before` scores",
+    )
+    return parser
+
+
+def run_report_cli(args: argparse.Namespace) -> int:
+    """`statelens report`: write the report and say where it is; a bad run folder is a one-line error, exit 2."""
+    try:
+        report_path = write_report(args.run_dirs, args.out, base=args.base)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"statelens report: error: {err}", file=sys.stderr)
+        return 2
+    print(f"report written: {report_path} and {report_path.with_suffix('.html')}")
+    return 0
