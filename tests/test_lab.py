@@ -202,12 +202,14 @@ def test_statelens_lab_build_and_info(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STATELENS_HOME", str(tmp_path))
     assert statelens(["lab", "info"]) == 1
     assert "no lab built" in capsys.readouterr().out
-    assert statelens(["lab", "build", "--size", "test", "--max-steps", "20"]) == 0
+    assert statelens(["lab", "build", "--size", "test", "--max-steps", "20", "--teacher-steps", "3"]) == 0
     assert "lab ready at" in capsys.readouterr().out
     root = tmp_path / "lab" / "seed0"
     info = json.loads((root / "info.json").read_text())
+    assert set(info["teacher"]["test_scores"]) == {"math", "kb", "truth"}
     assert info["pretrain_steps"] == 20 and set(info["test_scores"]) == {"math", "kb", "truth"}
     assert AutoModelForCausalLM.from_pretrained(root / "base").config.model_type == "qwen3"
+    assert info["teacher"]["steps"] == 3 and (root / "teacher" / "model.safetensors").exists()
     assert AutoTokenizer.from_pretrained(root / "base").eos_token == "<|endoftext|>"
     assert sum(1 for _ in open(root / "data" / "math" / "test.jsonl")) == 300
     assert statelens(["lab", "info", "--json"]) == 0

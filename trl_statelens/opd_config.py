@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig
+from trl import DistillationConfig, GRPOConfig
 
 SIGNALS = ("reverse_kl", "continuation", "divergence")
 MIX_SOURCES = ("learner", "dataset", "teacher")
@@ -93,3 +94,13 @@ class OnPolicyDistillConfig(GRPOConfig):
             )
         self.state_source_mix = mix
         super().__post_init__()
+
+    def to_distillation_config(self) -> DistillationConfig:
+        """The same run for TRL's stock `DistillationTrainer`: every shared field copied, `beta` = `jsd_beta`.
+
+        TRL's trainer draws one rollout per prompt, so `per_device_train_batch_size` (rollouts per device) keeps the
+        number of supervised rollouts per step equal.
+        """
+        stock_fields = {f.name for f in dataclasses.fields(DistillationConfig) if f.init}
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in stock_fields}
+        return DistillationConfig(**{**shared, "beta": self.jsd_beta})

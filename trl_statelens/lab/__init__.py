@@ -4,7 +4,17 @@
 `from_pretrained` exactly as hub models do.
 """
 
-from .build import build_lab, evaluate_base, lab_dir, lab_home, lab_info, pretrain, score_math, score_multiple_choice
+from .build import (
+    build_lab,
+    build_teacher,
+    evaluate_base,
+    lab_dir,
+    lab_home,
+    lab_info,
+    pretrain,
+    score_math,
+    score_multiple_choice,
+)
 from .model import MODEL_SIZES, build_model
 from .tokenizer import CHAT_TEMPLATE, build_tokenizer
 from .world import LabWorld, check_math_answer, format_plain
@@ -15,6 +25,7 @@ __all__ = [
     "LabWorld",
     "build_lab",
     "build_model",
+    "build_teacher",
     "build_tokenizer",
     "check_math_answer",
     "evaluate_base",

@@ -245,6 +245,56 @@ def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, *
     return root
 
 
+def build_teacher(
+    seed: int = 0, steps: int = 150, batch_size: int = 16, lr: float = 5e-4, force: bool = False, log=_say
+) -> Path:
+    """The lab teacher: the base model fine-tuned on lab math (answer tokens only), cached in ``lab_dir(seed)/teacher``.
+
+    The embedded OPD recipe distils it into the base model. Its test scores go to ``info.json`` under ``teacher``.
+    """
+    root = lab_dir(seed)
+    if (root / "teacher" / "config.json").exists() and not force:
+        return root / "teacher"
+    if not (root / "info.json").exists():
+        raise FileNotFoundError(f"no lab base model at {root}: run `statelens lab build --seed {seed}` first")
+    started = time.perf_counter()
+    world = LabWorld(seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(root / "base")
+    rows = world.math("train", n=steps * batch_size, seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    torch.manual_seed(seed)
+    model.train()
+    for step in tqdm(range(steps), desc="fine-tuning lab teacher on math", unit="step"):
+        batch = rows[step * batch_size : (step + 1) * batch_size]
+        prompts = [format_plain(r["question"]) for r in batch]
+        enc = tokenizer(
+            [format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in batch],
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+        )
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        for i, prompt in enumerate(prompts):  # supervise the answer only, as SFT on prompt-completion data does
+            labels[i, : len(tokenizer(prompt)["input_ids"])] = -100
+        model(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    scores = evaluate_base(model, tokenizer, world, split="test")
+    info = json.loads((root / "info.json").read_text())
+    info["teacher"] = {
+        "steps": steps,
+        "lr": lr,
+        "test_scores": scores,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (root / "info.json").write_text(json.dumps(info, indent=2))
+    log("lab teacher: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    return root / "teacher"
+
+
 def write_data(world: LabWorld, out: Path, math_train_size: int = 2000) -> None:
     """The world's splits as JSONL files, loadable like any local data set (``load_dataset("json", ...)``)."""
     splits = {

@@ -1,0 +1,61 @@
+"""On-policy distillation: the student's own states, the teacher's signal.
+
+accelerate launch recipes/opd.py                                        # the lab (configs/lab/opd.yaml)
+accelerate launch recipes/opd.py --config recipes/configs/study/opd_from_stress_sft.yaml
+accelerate launch recipes/opd.py --baseline stock                       # TRL's DistillationTrainer, same run
+"""
+
+import sys
+from dataclasses import dataclass
+
+from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens.runs import (
+    RecipeArguments,
+    load_train_data,
+    resolve_model,
+    run_recipe,
+    state_logging_callback,
+    with_default_config,
+)
+
+
+@dataclass
+class OPDScriptArguments(RecipeArguments):
+    """teacher_model_name_or_path: the teacher: "lab-teacher" (the lab base model fine-tuned on lab math, built on
+    first use), a saved model folder (for example an SFT recipe's output_dir) or a hub id."""
+
+    teacher_model_name_or_path: str = "lab-teacher"
+
+
+def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
+    model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
+    teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
+    dataset = load_train_data(args, training_args.seed)
+    callback = state_logging_callback(args)
+    if args.baseline == "stock":  # always on-policy, full-vocabulary JSD with beta = jsd_beta
+        trainer = DistillationTrainer(
+            model=model_path,
+            teacher_model=teacher_path,
+            args=training_args.to_distillation_config(),
+            train_dataset=dataset.select_columns(["prompt"]),
+            peft_config=get_peft_config(model_args),
+            callbacks=[callback],
+        )
+    else:
+        trainer = OnPolicyDistillTrainer(
+            model=model_path,
+            teacher_model=teacher_path,
+            args=training_args,
+            train_dataset=dataset,
+            peft_config=get_peft_config(model_args),
+            callbacks=[callback],
+        )
+    callback.trainer = trainer
+    run_recipe("opd", trainer, args, model_path, teacher_path)
+
+
+if __name__ == "__main__":
+    parser = TrlParser((OPDScriptArguments, OnPolicyDistillConfig, ModelConfig))
+    main(*parser.parse_args_and_config(args=with_default_config(__file__, sys.argv[1:])))

@@ -1,0 +1,185 @@
+"""The recipes end to end on `test`-size lab models: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, stock baselines."""
+
+import json
+import os
+import runpy
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from trl import DistillationConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
+
+from trl_statelens import OnPolicyDistillConfig
+from trl_statelens.runs import RecipeArguments
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+TINY_RUN = ["--eval_limit", "3", "--eval_max_new_tokens", "8", "--num_probes", "2", "--probe_steps", "1",
+            "--ledger_sample_rate", "1.0", "--logging_steps", "1", "--max_steps", "2"]  # fmt: skip
+RECIPE_FLAGS = {
+    "sft": ["--per_device_train_batch_size", "4", "--max_length", "160"],
+    "grpo": ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8"],
+    "opd": ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8"],
+}
+
+
+def run_in_process(recipe: str, argv: list[str], monkeypatch) -> dict:
+    monkeypatch.setattr(sys, "argv", [str(RECIPES / f"{recipe}.py"), *argv])
+    runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="__main__")
+    return json.loads((Path(argv[argv.index("--output_dir") + 1]) / "results.json").read_text())
+
+
+def model_flags(recipe, student_path, teacher_path):
+    flags = ["--model_name_or_path", str(student_path)]
+    return flags + (["--teacher_model_name_or_path", str(teacher_path)] if recipe == "opd" else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["sft", "grpo", "opd"])
+@pytest.mark.parametrize("baseline", ["statelens", "stock"])
+def test_recipe_writes_results_and_ledger(tmp_path, monkeypatch, student_path, teacher_path, recipe, baseline):
+    out = tmp_path / f"{recipe}_{baseline}"
+    argv = [*model_flags(recipe, student_path, teacher_path), "--output_dir", str(out), "--baseline", baseline]
+    results = run_in_process(recipe, argv + TINY_RUN + RECIPE_FLAGS[recipe], monkeypatch)
+
+    stock = {"sft": "SFTTrainer", "grpo": "GRPOTrainer", "opd": "DistillationTrainer"}[recipe]
+    assert (results["trainer"] == stock) == (baseline == "stock")
+    assert results["global_steps"] == 2 and results["distributed"]["num_processes"] == 1
+    for when in ("before", "after"):
+        assert set(results[when]["scores"]) == {"gsm8k", "truthfulqa", "mmlu"}
+        assert (out / "eval" / f"{when}.json").exists() and (out / "eval" / f"{when}.items.jsonl").exists()
+    assert set(results["retention"]) == {"forgetting", "retention"}
+    # the same layout for both baselines: drift always, per-step state records only from a StateLens trainer
+    drift = [json.loads(line) for line in (out / "statelens" / "drift.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in drift] == [1, 2] and results["final_drift"] == drift[-1]
+    steps_file = out / "statelens" / "steps.jsonl"
+    assert steps_file.exists() == (baseline == "statelens")
+    if baseline == "statelens":
+        assert [json.loads(line)["step"] for line in steps_file.read_text().splitlines()] == [1, 2]
+    assert (out / "model.safetensors").exists() and json.loads((out / "log_history.json").read_text())
+
+
+# ----- configs ---------------------------------------------------------------------------------------------------
+CONFIG_TYPES = {
+    "eval": None,
+    "sft": SFTConfig,
+    "stress_sft": SFTConfig,
+    "mild_sft": SFTConfig,
+    "grpo": GRPOConfig,
+    "opd": OnPolicyDistillConfig,
+}
+
+
+def recipe_of(config_path: Path) -> str:
+    name = config_path.stem
+    if name.startswith("opd"):
+        return "opd"
+    return "eval" if "eval" in name else ("grpo" if "grpo" in name else "sft")
+
+
+@pytest.mark.parametrize(
+    "config", sorted((RECIPES / "configs").rglob("*.yaml")), ids=lambda p: p.parent.name + "/" + p.name
+)
+def test_every_config_parses_into_its_recipe_types(config):
+    recipe = recipe_of(config)
+    namespace = runpy.run_path(str(RECIPES / f"{recipe}.py"))
+    script_type = next(v for k, v in namespace.items() if k.endswith("ScriptArguments"))
+    training_type = {"sft": SFTConfig, "grpo": GRPOConfig, "opd": OnPolicyDistillConfig}.get(recipe)
+    types = (script_type, training_type, ModelConfig) if training_type else (script_type, ModelConfig)
+    raw = yaml.safe_load(config.read_text())
+    # GPU configs ask for bf16, which TrainingArguments refuses on a machine without a GPU: parse them as on CPU
+    on_cpu = ["--bf16", "false", "--use_cpu", "true"] if raw.get("bf16") and training_type else []
+    parsed = TrlParser(types).parse_args_and_config(args=["--config", str(config), *on_cpu])
+    assert isinstance(parsed[0], RecipeArguments)
+    if on_cpu:
+        del raw["bf16"]
+    normalised = {("report_to", "none"): []}  # TrainingArguments turns "none" into an empty list
+    for key, value in raw.items():  # every key landed in a field with the YAML's value
+        holder = next(p for p in parsed if hasattr(p, key))
+        expected = normalised.get((key, value), value)
+        assert getattr(holder, key) == expected or str(getattr(holder, key)) == str(expected), key
+
+
+def test_study_configs_state_the_papers_numbers():
+    study = RECIPES / "configs" / "study"
+    stress = yaml.safe_load((study / "stress_sft.yaml").read_text())
+    assert (stress["num_train_epochs"], stress["learning_rate"]) == (5, 5.0e-4)
+    assert (stress["use_peft"], stress["lora_r"], stress["lora_alpha"]) == (True, 64, 128)
+    for path in study.glob("*.yaml"):
+        config = yaml.safe_load(path.read_text())
+        assert config["model_name_or_path"] == "Qwen/Qwen3-0.6B-Base" or "runs/study" in config["model_name_or_path"]
+        assert config.get("dataset_name", "openai/gsm8k") == "openai/gsm8k" and config["prompt_format"] == "plain"
+    opd = yaml.safe_load((study / "opd_from_stress_sft.yaml").read_text())
+    assert opd["signal"] == "continuation" and opd["teacher_model_name_or_path"] == "runs/study/stress_sft"
+
+
+def test_stock_distillation_config_copies_the_run(tmp_path):
+    ours = OnPolicyDistillConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, learning_rate=3e-4, max_steps=7,
+                                 per_device_train_batch_size=8, max_completion_length=32, jsd_beta=1.0, seed=5)  # fmt: skip
+    stock = ours.to_distillation_config()
+    assert isinstance(stock, DistillationConfig) and stock.beta == 1.0
+    for name in ("learning_rate", "max_steps", "per_device_train_batch_size", "max_completion_length", "seed"):
+        assert getattr(stock, name) == getattr(ours, name)
+
+
+# ----- bad configs fail at start, with the reason ------------------------------------------------------------------
+def test_unknown_config_field_is_named(tmp_path, monkeypatch):
+    config = tmp_path / "bad.yaml"
+    config.write_text("learning_rate: 1.0e-4\nlearning_rat: 3\nuse_cpu: true\nbf16: false\n")
+    with pytest.raises(ValueError, match="learning_rat"):
+        run_in_process("sft", ["--config", str(config), "--output_dir", str(tmp_path / "out")], monkeypatch)
+
+
+def test_missing_teacher_and_missing_model_fail_before_training(tmp_path, monkeypatch, student_path):
+    argv = ["--output_dir", str(tmp_path / "out")]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_in_process("opd", ["--model_name_or_path", str(student_path), "--teacher_model_name_or_path",
+                               str(tmp_path / "no_teacher"), *argv], monkeypatch)  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_in_process("sft", ["--model_name_or_path", "./runs/nothing-here", *argv], monkeypatch)
+    assert not (tmp_path / "out").exists()
+
+
+# ----- several processes: assert what actually ran --------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "accelerate_config, recipe, expected",
+    [
+        ("ddp", "sft", {"type": "MULTI_CPU", "zero_stage": None, "engine": "DistributedDataParallel"}),
+        ("zero2", "grpo", {"type": "DEEPSPEED", "zero_stage": 2, "engine": "DeepSpeedEngine"}),
+        ("zero3", "opd", {"type": "DEEPSPEED", "zero_stage": 3, "engine": "DeepSpeedEngine",
+                          "teacher_engine": "DeepSpeedEngine"}),
+    ],
+)  # fmt: skip
+def test_recipe_under_accelerate_launch(tmp_path, student_path, teacher_path, accelerate_config, recipe, expected):
+    out = tmp_path / "run"
+    command = [
+        str(Path(sys.executable).parent / "accelerate"), "launch",
+        "--config_file", str(RECIPES / "accelerate" / f"{accelerate_config}.yaml"),
+        "--num_processes", "2", "--main_process_port", str(free_port()),
+        str(RECIPES / f"{recipe}.py"), *model_flags(recipe, student_path, teacher_path),
+        "--output_dir", str(out), *TINY_RUN, *RECIPE_FLAGS[recipe],
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    ran = results["distributed"]
+    assert ran["num_processes"] == 2
+    for key, value in expected.items():
+        assert ran[key] == value, (key, ran)
+    steps = [json.loads(line) for line in (out / "statelens" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    states = [json.loads(line) for line in (out / "statelens" / "states.jsonl").read_text().splitlines()]
+    assert {s["rank"] for s in states} == {0, 1}  # both ranks' states reached the ledger
+    assert results["after"]["scores"]

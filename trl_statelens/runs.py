@@ -1,0 +1,251 @@
+"""What every recipe does around `trainer.train()`: resolve the lab default, load the data, evaluate before and
+after, and write the run folder that `statelens report` reads.
+
+A run folder (`output_dir`) holds:
+
+- `results.json`: recipe, trainer, baseline, model, teacher, seed, `before` / `after` evaluations (as returned by
+  :func:`~trl_statelens.evaluation.evaluate_model`), `retention` (Forgetting and Retention of `after` against
+  `before`), `final_drift` (the last probe drift) and `train_seconds`;
+- `eval/before.json`, `eval/after.json` and their `.items.jsonl` per-item outputs;
+- `statelens/`: the state ledger (`steps.jsonl`, `states.jsonl`, `drift.jsonl`; see the README);
+- `log_history.json`: everything the trainer logged;
+- the trained model (`save_pretrained` layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from .callback import StateLoggingCallback
+from .data import load_gsm8k
+from .evaluation import RETENTION_TASKS, evaluate_model, parse_limit, retention_summary
+
+LAB = "lab"  # model / data / eval source meaning "the offline lab"
+LAB_TEACHER = "lab-teacher"
+
+
+@dataclass
+class RecipeArguments:
+    """Arguments every recipe shares (the trainer's own config and `ModelConfig` come next to these).
+
+    Args:
+        dataset_name: training data: `"lab"` (the offline world), a hub id (`"openai/gsm8k"`) or a local file/folder.
+        prompt_format: `"plain"` (`Question: ...\\nAnswer:`, the study's format for base models) or `"chat"`.
+        train_size: keep this many training rows (a seeded subset); all when unset.
+        eval_data: evaluation data: `"lab"`, `"hub"` (GSM8K, TruthfulQA, MMLU from the hub) or a folder with
+            `gsm8k/`, `truthfulqa/`, `mmlu/`.
+        eval_tasks: comma-separated tasks to score before and after training (`gsm8k,truthfulqa,mmlu`); empty for none.
+        eval_limit: items per task (a seeded subset): a number for every task, `"gsm8k=500,mmlu=500,truthfulqa=200"`,
+            or `"study"` (those sizes, which fit the study's numbers); all items when unset.
+        eval_max_new_tokens: GSM8K generation budget; an answer not finished by then scores 0.
+        num_probes: probe prompts (from the test split) for probe drift; 0 turns drift off.
+        probe_steps: measure probe drift every this many steps.
+        ledger_sample_rate: share of supervised sequences written with their text to the ledger.
+        baseline: `"statelens"` (our trainer) or `"stock"` (the matching stock TRL trainer on the same data, seed and
+            settings, with probe drift attached), so the two output folders compare directly.
+        lab_seed: which cached lab world to use.
+    """
+
+    dataset_name: str = LAB
+    prompt_format: str = "plain"
+    train_size: int | None = None
+    eval_data: str = LAB
+    eval_tasks: str = "gsm8k,truthfulqa,mmlu"
+    eval_limit: str | None = None
+    eval_max_new_tokens: int = 256
+    num_probes: int = 16
+    probe_steps: int = 10
+    ledger_sample_rate: float = 0.05
+    baseline: str = field(default="statelens", metadata={"help": "'statelens' or 'stock'"})
+    lab_seed: int = 0
+
+    def __post_init__(self):
+        if self.baseline not in ("statelens", "stock"):
+            raise ValueError(f"--baseline must be 'statelens' or 'stock', got {self.baseline!r}")
+
+
+def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
+    """`"lab"` (or nothing) is the lab base model and `"lab-teacher"` the lab math teacher, built on first use;
+    anything else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
+    from .lab import build_lab, build_teacher
+
+    if name_or_path in (None, LAB):
+        return str(build_lab(seed=lab_seed) / "base")
+    if name_or_path == LAB_TEACHER:
+        build_lab(seed=lab_seed)
+        return str(build_teacher(seed=lab_seed))
+    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).suffix != ""
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist: pass a saved model folder or a hub id")
+    return name_or_path
+
+
+def load_train_data(args: RecipeArguments, seed: int):
+    return load_gsm8k(
+        args.dataset_name, "train", prompt_format=args.prompt_format, limit=args.train_size, seed=seed,
+        lab_seed=args.lab_seed,
+    )  # fmt: skip
+
+
+def probe_prompts(args: RecipeArguments) -> list | None:
+    """A fixed set of test prompts whose sampled prefixes measure how the policy's own states drift."""
+    if args.num_probes <= 0:
+        return None
+    return load_gsm8k(
+        args.dataset_name, "test", prompt_format=args.prompt_format, limit=args.num_probes, seed=0,
+        lab_seed=args.lab_seed,
+    )["prompt"]  # fmt: skip
+
+
+def state_logging_callback(args: RecipeArguments, trainer=None) -> StateLoggingCallback:
+    return StateLoggingCallback(
+        trainer, probe_prompts=probe_prompts(args), probe_steps=args.probe_steps, sample_rate=args.ledger_sample_rate
+    )
+
+
+@contextmanager
+def without_zero3_init():
+    """Load a whole model in one process even inside a ZeRO-3 run.
+
+    Under ZeRO-3, `from_pretrained` partitions the weights across processes as it loads them, a collective call:
+    done by the main process alone (evaluation), it would wait forever for the others.
+    """
+    from transformers.integrations import deepspeed
+
+    saved = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def evaluate(args: RecipeArguments, model_or_path, tokenizer, out: Path, seed: int) -> dict | None:
+    """Score a model on the recipe's tasks (main process only) and write `out`; `None` when no task is asked."""
+    tasks = [t.strip() for t in args.eval_tasks.split(",") if t.strip()]
+    if not tasks:
+        return None
+    with without_zero3_init():
+        results = evaluate_model(
+            model_or_path,
+            tasks,
+            tokenizer=tokenizer,
+            data_dir=None if args.eval_data == "hub" else args.eval_data,
+            limit=parse_limit(None if args.eval_limit is None else str(args.eval_limit)),
+            seed=seed,
+            task_kwargs={"gsm8k": {"prompt_format": args.prompt_format, "max_new_tokens": args.eval_max_new_tokens}}
+            if "gsm8k" in tasks
+            else None,
+            out=out,
+        )
+    results.pop("records")
+    return results
+
+
+def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, teacher_path: str | None = None) -> dict:
+    """Evaluate the starting model, train, save, evaluate the result, write `results.json`, print a summary."""
+    training_args = trainer.args
+    out = Path(training_args.output_dir)
+    accelerator = trainer.accelerator
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    before = None
+    if accelerator.is_main_process:
+        before = evaluate(args, model_path, None, out / "eval" / "before.json", training_args.seed)
+    accelerator.wait_for_everyone()
+
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_seconds = time.perf_counter() - started
+    trainer.save_model(str(out))
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return {}
+
+    tokenizer.save_pretrained(out)
+    after = evaluate(args, str(out), None, out / "eval" / "after.json", training_args.seed)
+    retention = None
+    if before is not None and all(t in before["scores"] for t in RETENTION_TASKS if t in after["scores"]):
+        try:
+            retention = retention_summary(before, after)
+        except ValueError as error:  # no retention task, or a base score of 0
+            print(f"retention not computed: {error}")
+    drift_path = out / "statelens" / "drift.jsonl"
+    drift_lines = drift_path.read_text().splitlines() if drift_path.exists() else []
+    results = {
+        "recipe": recipe,
+        "trainer": type(trainer).__name__,
+        "baseline": args.baseline,
+        "run_name": training_args.run_name or out.name,
+        "model": model_path,
+        "teacher": teacher_path,
+        "seed": training_args.seed,
+        "before": before,
+        "after": after,
+        "retention": retention,
+        "final_drift": json.loads(drift_lines[-1]) if drift_lines else None,
+        "train_seconds": round(train_seconds, 1),
+        "global_steps": trainer.state.global_step,
+        "distributed": what_ran(trainer),
+        "recipe_arguments": dataclasses.asdict(args),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
+    print_summary(results, trainer.state.log_history, out)
+    return results
+
+
+def what_ran(trainer) -> dict:
+    """What actually ran, not what the flags asked for: some launch forms silently fall back to one process or DDP."""
+    accelerator = trainer.accelerator
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    teacher = getattr(trainer, "teacher_model", None)
+    return {
+        "type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "engine": type(trainer.model_wrapped).__name__,
+        "teacher_engine": None if teacher is None else type(teacher).__name__,
+    }
+
+
+def first_and_last(log_history: list[dict], key: str) -> tuple[float, float] | None:
+    values = [entry[key] for entry in log_history if key in entry]
+    return (values[0], values[-1]) if values else None
+
+
+def print_summary(results: dict, log_history: list[dict], out: Path) -> None:
+    before, after = results["before"], results["after"]
+    print(f"\n=== {results['recipe']} ({results['trainer']}), {results['global_steps']} steps in "
+          f"{results['train_seconds']:.0f} s -> {out}")  # fmt: skip
+    if after is not None:
+        print(f"{'task':<12}{'before':>10}{'after':>10}")
+        for task, score in after["scores"].items():
+            was = before["scores"].get(task) if before else None
+            print(f"{task:<12}{'-' if was is None else f'{was:.3f}':>10}{score:>10.3f}")
+    if results["retention"]:
+        print(
+            f"forgetting {results['retention']['forgetting']:+.4f}   retention {results['retention']['retention']:.4f}"
+        )
+    for key in ("teacher_kl", "statelens/state_nll", "statelens/offpolicy_gap", "loss"):
+        pair = first_and_last(log_history, key)
+        if pair:
+            print(f"{key:<26} first step {pair[0]:8.4f}   last step {pair[1]:8.4f}")
+    if results["final_drift"]:
+        print(f"probe drift at step {results['final_drift']['step']}: mmd {results['final_drift']['mmd']:.5f}")
+    print(f"report: statelens report {out} --out {out}/report")
+
+
+def with_default_config(recipe_file: str, argv: list[str]) -> list[str]:
+    """Without `--config`, a recipe starts from its lab config, `recipes/configs/lab/<recipe>.yaml`; command-line
+    flags still override it."""
+    if "--config" in argv:
+        return argv
+    recipe = Path(recipe_file).resolve()
+    return ["--config", str(recipe.parent / "configs" / "lab" / f"{recipe.stem}.yaml"), *argv]
