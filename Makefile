@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo bench lab clean
+.PHONY: install test lint demo bench lab study-lab clean
 
 install: $(STAMP)
 
@@ -30,21 +30,22 @@ test: $(STAMP)
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check trl_statelens tests
-	$(BIN)/ruff format --check trl_statelens tests
+	$(BIN)/ruff check trl_statelens tests recipes bench
+	$(BIN)/ruff format --check trl_statelens tests recipes bench
 
 lab: $(STAMP)
 	$(BIN)/statelens lab build
 
-# Completed by the recipes issue: the main job is `accelerate launch recipes/opd.py` on the lab default.
+# The main job: on-policy distillation of the lab math teacher into the lab base model (builds the lab on first use).
 demo: $(STAMP)
-	@echo "make demo: the OPD recipe is not built yet; for now it builds the lab and prints its scores"
-	$(BIN)/statelens lab build
-	$(BIN)/statelens lab info
+	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml recipes/opd.py
 
-# Completed by the benchmarks issue.
+# The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
+study-lab: $(STAMP)
+	$(BIN)/python recipes/study_lab.py --seeds 0 1 2 --out runs/study-lab
+
 bench: $(STAMP)
-	@echo "make bench: no benchmarks yet (see the benchmarks issue)"
+	$(BIN)/python bench/run.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -45,6 +45,7 @@ class RecipeArguments:
         eval_limit: items per task (a seeded subset): a number for every task, `"gsm8k=500,mmlu=500,truthfulqa=200"`,
             or `"study"` (those sizes, which fit the study's numbers); all items when unset.
         eval_max_new_tokens: GSM8K generation budget; an answer not finished by then scores 0.
+        eval_before: also score the starting model (skip it when a base evaluation run already has the scores).
         num_probes: probe prompts (from the test split) for probe drift; 0 turns drift off.
         probe_steps: measure probe drift every this many steps.
         ledger_sample_rate: share of supervised sequences written with their text to the ledger.
@@ -60,6 +61,7 @@ class RecipeArguments:
     eval_tasks: str = "gsm8k,truthfulqa,mmlu"
     eval_limit: str | None = None
     eval_max_new_tokens: int = 256
+    eval_before: bool = True
     num_probes: int = 16
     probe_steps: int = 10
     ledger_sample_rate: float = 0.05
@@ -156,7 +158,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     accelerator = trainer.accelerator
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     before = None
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and args.eval_before:
         before = evaluate(args, model_path, None, out / "eval" / "before.json", training_args.seed)
     accelerator.wait_for_everyone()
 

@@ -1,0 +1,134 @@
+"""The study on the lab, across seeds: every run of the reference study, its stock-TRL baselines, reports, and a
+Table 2 with mean and spread over seeds.
+
+    make study-lab                                   # = python recipes/study_lab.py --seeds 0 1 2
+    python recipes/study_lab.py --seeds 0 --max_steps_scale 0.1 --out runs/study-lab-smoke
+
+Each run is a recipe with its lab config (recipes/configs/lab/), the seed, and teachers taken from the same seed's
+SFT runs. A run whose `results.json` exists is skipped, so an interrupted study continues where it stopped.
+Seeds vary post-training (data order, sampling); every seed starts from the same lab base model.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trl_statelens.evaluation import retention_summary
+from trl_statelens.report import write_report
+
+CONFIGS = Path(__file__).parent / "configs" / "lab"
+# name, recipe, lab config, extra flags ({run} is replaced by the folder of this seed's run of that name)
+RUNS = [
+    ("mild_sft", "sft", "sft.yaml", []),
+    ("stress_sft", "sft", "stress_sft.yaml", []),
+    ("opd_from_mild_sft", "opd", "opd_from_mild_sft.yaml", ["--teacher_model_name_or_path", "{mild_sft}"]),
+    ("opd_from_stress_sft", "opd", "opd_from_stress_sft.yaml", ["--teacher_model_name_or_path", "{stress_sft}"]),
+    ("opd_rkl_from_stress_sft", "opd", "opd_from_stress_sft.yaml",
+     ["--teacher_model_name_or_path", "{stress_sft}", "--signal", "reverse_kl"]),
+    ("grpo", "grpo", "grpo.yaml", []),
+    ("stock_sft", "sft", "sft.yaml", ["--baseline", "stock"]),
+    ("stock_opd_from_stress_sft", "opd", "opd_from_stress_sft.yaml",
+     ["--teacher_model_name_or_path", "{stress_sft}", "--baseline", "stock"]),
+    ("stock_grpo", "grpo", "grpo.yaml", ["--baseline", "stock"]),
+]  # fmt: skip
+STEP_FLAGS = {"sft.yaml": 60, "stress_sft.yaml": None, "opd_from_mild_sft.yaml": 40, "opd_from_stress_sft.yaml": 40,
+              "grpo.yaml": 30}  # fmt: skip
+SCORES = ("gsm8k", "truthfulqa", "mmlu")
+
+
+def run(command: list[str], log: Path) -> None:
+    started = time.perf_counter()
+    print(f"  $ {' '.join(command)}", flush=True)
+    with log.open("w") as f:
+        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        sys.exit(f"failed ({result.returncode}); see {log}")
+    print(f"    done in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", default="runs/study-lab")
+    parser.add_argument("--max_steps_scale", type=float, default=1.0, help="shorten every run (a smoke test)")
+    parser.add_argument("--eval_limit", default=None, help="items per evaluation task (all when unset)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    eval_flags = ["--eval_limit", args.eval_limit] if args.eval_limit else []
+
+    base = out / "base"
+    if not (base / "results.json").exists():
+        print("base model evaluation", flush=True)
+        base.mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "recipes/eval.py", "--output_dir", str(base), *eval_flags], base / "log.txt")
+
+    for seed in args.seeds:
+        seed_dir = out / f"seed{seed}"
+        folders = {name: seed_dir / name for name, *_ in RUNS}
+        for name, recipe, config, extra in RUNS:
+            folder = folders[name]
+            if (folder / "results.json").exists():
+                continue
+            print(f"seed {seed}: {name}", flush=True)
+            folder.mkdir(parents=True, exist_ok=True)
+            steps = STEP_FLAGS[config]
+            scale = (
+                ["--max_steps", str(max(2, round(steps * args.max_steps_scale)))]
+                if steps and args.max_steps_scale != 1
+                else []
+            )
+            if steps is None and args.max_steps_scale != 1:
+                scale = ["--num_train_epochs", str(max(1, round(5 * args.max_steps_scale)))]
+            flags = [flag.format(**{k: str(v) for k, v in folders.items()}) for flag in extra]
+            command = [sys.executable, f"recipes/{recipe}.py", "--config", str(CONFIGS / config), "--seed", str(seed),
+                       "--output_dir", str(folder), "--eval_before", "false", *eval_flags, *scale, *flags]  # fmt: skip
+            run(command, folder / "log.txt")
+        write_report([folders[name] for name, *_ in RUNS], seed_dir / "report", base=base)
+
+    summary = summarize(out, args.seeds)
+    minutes = (time.perf_counter() - started) / 60
+    (out / "summary.json").write_text(json.dumps({"seeds": args.seeds, "minutes": minutes, "runs": summary}, indent=2))
+    (out / "summary.md").write_text(summary_table(summary, args.seeds, minutes))
+    print(summary_table(summary, args.seeds, minutes))
+
+
+def summarize(out: Path, seeds: list[int]) -> dict:
+    """Per run: every Table 2 column as mean, standard deviation and the per-seed values."""
+    base_scores = json.loads((out / "base" / "results.json").read_text())["after"]["scores"]
+    table = {"base": {task: {"mean": base_scores[task], "std": 0.0, "values": [base_scores[task]]} for task in SCORES}}
+    for name, *_ in RUNS:
+        columns = {}
+        for seed in seeds:
+            results = json.loads((out / f"seed{seed}" / name / "results.json").read_text())
+            scores = results["after"]["scores"]
+            values = {task: scores[task] for task in SCORES}
+            values.update(retention_summary(base_scores, scores))
+            if results["final_drift"]:
+                values["mmd"] = results["final_drift"]["mmd"]
+            for column, value in values.items():
+                columns.setdefault(column, []).append(value)
+        table[name] = {
+            column: {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "values": v}
+            for column, v in columns.items()
+        }
+    return table
+
+
+def summary_table(summary: dict, seeds: list[int], minutes: float) -> str:
+    columns = [*SCORES, "mmd", "forgetting", "retention"]
+    lines = [f"Lab study, seeds {seeds}, {minutes:.1f} minutes; mean ± standard deviation over seeds.", "",
+             "| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]  # fmt: skip
+    for name, row in summary.items():
+        cells = [f"{row[c]['mean']:.4f} ± {row[c]['std']:.4f}" if c in row else "-" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
