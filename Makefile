@@ -46,6 +46,7 @@ study-lab: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/bench_report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

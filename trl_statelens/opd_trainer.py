@@ -12,17 +12,28 @@ import copy
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
+from trl.kernels import ChunkedLogProbFunction
+from trl.kernels.chunked_logprob import _use_triton
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.models.utils import _ForwardRedirection
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
-from trl.trainer.utils import add_fused_lm_head, create_model_from_path, pad
+from trl.trainer.utils import (
+    add_fused_lm_head,
+    create_model_from_path,
+    maybe_gather_lm_head_ctx,
+    pad,
+)
 
 from .grpo_trainer import StateLensGRPOTrainer
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
 
 LEARNER, DATASET, TEACHER = (source_code(s) for s in ("learner", "dataset", "teacher"))
+# Vocabulary columns per projection tile in the completion log-prob path (TRL's fused head uses 32768). On CPU a
+# 4096-wide tile is as fast, and at V=32k it cuts the step's peak memory by about a third (BENCHMARKS.md).
+VOCAB_CHUNK = 4096
 
 
 def no_reward(completions, **kwargs) -> list[float]:
@@ -218,6 +229,58 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         )
         return logps
 
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ):
+        """Log-probs (and entropies) of the completion tokens, `(B, T)`, projecting only the completion positions
+        onto the vocabulary.
+
+        On devices without Triton (CPU) TRL's fused LM head projects every position, the prompt's too, though only
+        the completion is scored; at a large vocabulary that projection and its recomputation in the backward are
+        most of the step (see BENCHMARKS.md). Same kernel, same values. Triton devices (where TRL's head already
+        skips unscored positions), multimodal or MoE calls, and heads that scale, soft-cap or upcast their logits
+        keep TRL's path."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if (
+            kwargs.get("compute_aux_loss")
+            or any(value is not None for key, value in kwargs.items() if key != "compute_aux_loss")
+            or self.args.cast_lm_head_to_fp32
+            or _use_triton(input_ids.device)  # there TRL's head already projects the scored positions only
+            or not _plain_lm_head(unwrapped)
+        ):
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                **kwargs,
+            )
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            with self.accelerator.autocast():
+                chunk_logps, chunk_entropies = self._forward_redirection(
+                    model,
+                    unwrapped,
+                    _completion_logps_and_entropies,
+                    unwrapped,
+                    input_ids[rows],
+                    attention_mask[rows],
+                    logits_to_keep,
+                    self.temperature,
+                    compute_entropy,
+                )
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropies)
+        logps = torch.cat(logps)
+        entropies = torch.cat(entropies) if compute_entropy else None
+        if compute_entropy:  # as StateLensGRPOTrainer does: the loss's own tensors, for the records
+            self._loss_logps_and_entropies = (logps, entropies)
+        return logps, entropies, None
+
     # ----- the loss: what the teacher says there ------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
@@ -347,6 +410,40 @@ def _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_co
     decoder = unwrapped_model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden[:, -num_completion - 1 : -1]
+
+
+def _plain_lm_head(unwrapped_model) -> bool:
+    """Whether the model's logits are just `hidden @ head.T` (plus bias): no scale, no soft-cap, no sharded head."""
+    config = unwrapped_model.config.get_text_config()
+    scales = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in scales):
+        return False
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return False
+    return not isinstance(unwrapped_model.get_output_embeddings().weight, DTensor)
+
+
+def _completion_logps_and_entropies(unwrapped_model, input_ids, attention_mask, num_completion, temperature, entropy):
+    """Log-prob of each completion token and (if `entropy`) the entropy at its state, `(B, T)`, with TRL's chunked
+    kernel on the completion positions only; 0 at padding, as TRL's fused head gives."""
+    hidden = _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_completion)
+    tokens = input_ids[:, -num_completion:]
+    head = unwrapped_model.get_output_embeddings()
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        logps, entropies, *_ = ChunkedLogProbFunction.apply(
+            hidden.reshape(-1, hidden.size(-1)).to(head.weight.device),
+            head.weight,
+            head.bias,
+            tokens.reshape(-1).to(head.weight.device),
+            temperature,
+            VOCAB_CHUNK,
+            None,
+            1.0,
+            ("log_probs", "entropy") if entropy else ("log_probs",),
+        )
+    padding = attention_mask[:, -num_completion:] == 0
+    logps = logps.view_as(tokens).masked_fill(padding, 0.0)
+    return logps, None if entropies is None else entropies.view_as(tokens).masked_fill(padding, 0.0)
 
 
 @torch.no_grad()
