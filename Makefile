@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 		$(BIN)/pip install --quiet torch==2.13.0; \
 	fi
 	$(BIN)/pip install --quiet -e ".[dev]"
+	@# DeepSpeed on CPU compiles a shared-memory op (about a minute) the first time a ZeRO run starts: do it now.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "building DeepSpeed's CPU shared-memory op"; \
+		DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"; \
+	fi
 	touch $(STAMP)
 
 test: $(STAMP)
