@@ -47,7 +47,7 @@ demo: $(STAMP)
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
 study-lab: $(STAMP)
-	$(BIN)/python recipes/study_lab.py --seeds 0 1 2 --out runs/study-lab
+	$(BIN)/python recipes/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

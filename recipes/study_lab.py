@@ -1,7 +1,7 @@
 """The study on the lab, across seeds: every run of the reference study, its stock-TRL baselines, reports, and a
 Table 2 with mean and spread over seeds.
 
-    make study-lab                                   # = python recipes/study_lab.py --seeds 0 1 2
+    make study-lab                                   # = python recipes/study_lab.py --seeds 0 1 2 --jobs 3
     python recipes/study_lab.py --seeds 0 --smoke --model_name_or_path MODEL --out /tmp/smoke   # the CI test
 
 Each run is a recipe with its lab config (recipes/configs/lab/), the seed, and teachers taken from the same seed's
@@ -11,6 +11,7 @@ Seeds vary post-training (data order, sampling); every seed starts from the same
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def main():
     parser.add_argument("--out", default="runs/study-lab")
     parser.add_argument("--model_name_or_path", default="lab", help="the base model every run starts from")
     parser.add_argument("--smoke", action="store_true", help="two tiny steps per run (the CI test of the chain)")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, one process each (one torch thread)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,6 +81,22 @@ def main():
             [sys.executable, str(RECIPES / "eval.py"), "--output_dir", str(base), *model, *eval_flags],
             base / "log.txt",
         )
+
+    if args.jobs > 1 and len(args.seeds) > 1:  # one process per seed, each running this script for its seed
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        forwarded = sys.argv[1:]
+        for i in range(0, len(args.seeds), args.jobs):
+            wave = [
+                subprocess.Popen(
+                    [sys.executable, __file__, *forwarded, "--seeds", str(seed), "--jobs", "1"],
+                    env=env,
+                    stdout=(out / f"seed{seed}.log").open("w"),
+                    stderr=subprocess.STDOUT,
+                )
+                for seed in args.seeds[i : i + args.jobs]
+            ]
+            if any(process.wait() for process in wave):
+                sys.exit(f"a seed failed; see {out}/seed*.log")
 
     for seed in args.seeds:
         seed_dir = out / f"seed{seed}"
@@ -130,7 +148,8 @@ def summarize(out: Path, seeds: list[int]) -> dict:
 
 def summary_table(summary: dict, seeds: list[int], minutes: float) -> str:
     columns = [*SCORES, "mmd", "forgetting", "retention"]
-    lines = [f"Lab study, seeds {seeds}, {minutes:.1f} minutes; mean ± standard deviation over seeds.", "",
+    lines = [f"Lab study, seeds {seeds}: mean ± standard deviation over seeds. This invocation took {minutes:.1f} "
+             "minutes (runs already done are skipped).", "",
              "| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]  # fmt: skip
     for name, row in summary.items():
         cells = [f"{row[c]['mean']:.4f} ± {row[c]['std']:.4f}" if c in row else "-" for c in columns]
