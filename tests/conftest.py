@@ -65,22 +65,17 @@ def math_dataset(world):
     )
 
 
-# ----- state records (issue 3) ----------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def math_trained_path(tmp_path_factory, tokenizer, world):
-    """A `test`-size Qwen3 trained briefly on math text only, so it has preferences of its own (a random-init model
-    predicts near-uniformly, which hides off-policy gaps). A few seconds of plain teacher forcing."""
-    path = tmp_path_factory.mktemp("math_trained")
-    model = build_model("test", tokenizer, seed=0)
+# ----- models with preferences of their own ------------------------------------------------------------------
+def _train_on_math(model, tokenizer, world, path, steps: int, problems_seed: int):
+    """Plain teacher forcing on lab math text, 8 problems a step, then `save_pretrained` to `path`."""
     texts = [
-        format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in world.math("train", n=320, seed=1)
+        format_plain(r["question"], r["answer"]) + tokenizer.eos_token
+        for r in world.math("train", n=8 * steps, seed=problems_seed)
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     torch.manual_seed(0)
-    for step in range(40):
-        batch = tokenizer(
-            texts[step * 8 % 320 : step * 8 % 320 + 8], return_tensors="pt", padding=True, padding_side="right"
-        )
+    for step in range(steps):
+        batch = tokenizer(texts[step * 8 : step * 8 + 8], return_tensors="pt", padding=True, padding_side="right")
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         model(**batch, labels=labels).loss.backward()
         optimizer.step()
@@ -88,6 +83,22 @@ def math_trained_path(tmp_path_factory, tokenizer, world):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def math_trained_path(tmp_path_factory, tokenizer, world):
+    """A `test`-size Qwen3 trained briefly on math text only, so it has preferences of its own (a random-init model
+    predicts near-uniformly, which hides off-policy gaps). A few seconds of plain teacher forcing."""
+    model = build_model("test", tokenizer, seed=0)
+    return _train_on_math(model, tokenizer, world, tmp_path_factory.mktemp("math_trained"), 40, problems_seed=1)
+
+
+@pytest.fixture(scope="session")
+def math_teacher_path(tmp_path_factory, tokenizer, world, math_trained_path):
+    """`math_trained_path` trained 60 steps further on other math problems: a teacher a step ahead of that
+    student, so on-policy distillation between the two has something to teach at the student's own states."""
+    model = AutoModelForCausalLM.from_pretrained(math_trained_path)
+    return _train_on_math(model, tokenizer, world, tmp_path_factory.mktemp("math_teacher"), 60, problems_seed=3)
 
 
 @pytest.fixture(scope="session")
@@ -97,27 +108,3 @@ def kb_dataset(world):
     return Dataset.from_list(
         [{"prompt": format_plain(r["question"]), "completion": " " + r["choices"][r["answer"]]} for r in rows]
     )
-
-
-@pytest.fixture(scope="session")
-def math_teacher_path(tmp_path_factory, tokenizer, world, math_trained_path):
-    """`math_trained_path` trained 60 steps further on other math problems: a teacher a step ahead of that
-    student, so on-policy distillation between the two has something to teach at the student's own states."""
-    model = AutoModelForCausalLM.from_pretrained(math_trained_path)
-    texts = [
-        format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in world.math("train", n=480, seed=3)
-    ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    torch.manual_seed(0)
-    for step in range(60):
-        batch = tokenizer(
-            texts[step * 8 % 480 : step * 8 % 480 + 8], return_tensors="pt", padding=True, padding_side="right"
-        )
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        model(**batch, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    path = tmp_path_factory.mktemp("math_teacher")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
