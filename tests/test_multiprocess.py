@@ -22,14 +22,21 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
     accelerate = Path(sys.executable).parent / "accelerate"
-    command = [
-        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(SCRIPT), str(student_path), str(tmp_path),
-    ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    # One clean retry when a rank aborts inside torch's C++ runtime ("terminate called without an active exception",
+    # SIGABRT), seen once in a clean-clone CI run and not reproduced since; any other failure fails at once.
+    for attempt in range(2):
+        run_dir = tmp_path / f"attempt{attempt}"
+        command = [
+            str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+            str(SCRIPT), str(student_path), str(run_dir),
+        ]  # fmt: skip
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        if result.returncode == 0 or "(SIGABRT)" not in result.stderr:
+            break
     assert result.returncode == 0, result.stderr[-4000:]
+    tmp_path = run_dir
 
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for rank in ranks:  # what actually ran: two processes, distributed data parallel over gloo
