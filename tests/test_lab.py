@@ -156,9 +156,11 @@ def test_pretraining_lowers_loss_and_learns_the_retention_facts(tmp_path):
         block=128,
         lr=5e-3,
         eval_every=40,
-        min_steps=10**6,
+        min_steps=0,  # evaluate from the start, and never stop early:
+        math_target=2.0,
         log=lambda _: None,
     )
+    assert [h["step"] for h in result["history"]] == [40, 80, 120, 160, 200, 240]
     losses = [h["loss"] for h in result["history"]]
     assert losses[0] < 0.6 * math.log(len(tokenizer))  # far below a uniform guess after 40 steps
     assert losses[-1] < 0.8 * losses[0]  # and still falling
@@ -174,7 +176,8 @@ def test_pretraining_resumes_where_it_stopped(tmp_path):
     kwargs = dict(max_steps=12, batch_size=4, block=64, eval_every=6, min_steps=10**6)
 
     uninterrupted = build_model("test", tokenizer)
-    pretrain(uninterrupted, tokenizer, world, tmp_path / "a", log=lambda _: None, **kwargs)
+    result = pretrain(uninterrupted, tokenizer, world, tmp_path / "a", log=lambda _: None, **kwargs)
+    assert [h["step"] for h in result["history"]] == [12]  # before min_steps only the last step is evaluated
 
     def crash_after_first_checkpoint(message):
         if message.startswith("step 6"):

@@ -63,13 +63,16 @@ def _check_point_sets(x: torch.Tensor, y: torch.Tensor) -> None:
         raise ValueError("cannot compare an empty point set")
 
 
+def _median_distance(distances: torch.Tensor) -> float:
+    off_diagonal = distances[~torch.eye(len(distances), dtype=torch.bool)]
+    positive = off_diagonal[off_diagonal > 0]
+    return positive.median().item() if positive.numel() else 1.0
+
+
 def median_bandwidth(x: torch.Tensor, y: torch.Tensor) -> float:
     """Median of the pairwise Euclidean distances between distinct points of the pooled set (1.0 if all coincide)."""
     pooled = torch.cat([x, y]).double()
-    distances = torch.cdist(pooled, pooled)
-    off_diagonal = distances[~torch.eye(len(pooled), dtype=torch.bool)]
-    positive = off_diagonal[off_diagonal > 0]
-    return positive.median().item() if positive.numel() else 1.0
+    return _median_distance(torch.cdist(pooled, pooled))
 
 
 def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidth: float | None = None) -> float:
@@ -79,13 +82,13 @@ def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidth: float | None = None) -> fl
     median heuristic on the pooled set.
     """
     _check_point_sets(x, y)
-    x, y = x.double(), y.double()
-    bandwidth = median_bandwidth(x, y) if bandwidth is None else bandwidth
-
-    def kernel_mean(a, b):
-        return torch.exp(-torch.cdist(a, b).square() / (2 * bandwidth**2)).mean()
-
-    return max((kernel_mean(x, x) + kernel_mean(y, y) - 2 * kernel_mean(x, y)).item(), 0.0)
+    pooled = torch.cat([x, y]).double()
+    distances = torch.cdist(pooled, pooled)  # one matrix serves the bandwidth and all three kernel blocks
+    bandwidth = _median_distance(distances) if bandwidth is None else bandwidth
+    kernel = torch.exp(-distances.square() / (2 * bandwidth**2))
+    n = x.size(0)
+    kxx, kyy, kxy = kernel[:n, :n].mean(), kernel[n:, n:].mean(), kernel[:n, n:].mean()
+    return max((kxx + kyy - 2 * kxy).item(), 0.0)
 
 
 def centroid_distance(x: torch.Tensor, y: torch.Tensor) -> float:
