@@ -95,9 +95,10 @@ class StateRecords:
 def aggregate_states(records: StateRecords) -> dict[str, float]:
     """The per-step metrics of DESIGN.md from one step's records (all ranks).
 
-    ``supervised_tokens`` and ``sequences`` are always there; the rest only when the step supervised any token, and
-    ``teacher_nll``/``teacher_kl`` only over the tokens that have a teacher log-prob. All reductions are tensor ops
-    and the values leave the device with a single ``tolist``.
+    ``supervised_tokens`` and ``sequences`` are always there; the rest only when the step supervised any token.
+    ``teacher_nll`` and ``teacher_kl`` (the sampled reverse KL, ``log p_student - log p_teacher``) are means over the
+    tokens the learner sampled itself that have a teacher log-prob: on tokens the teacher wrote, that difference is
+    not an estimate of any KL. All reductions are tensor ops and the values leave the device with a single ``tolist``.
     """
     num_tokens = len(records)
     num_sequences = torch.unique(records.rank * (records.sequence.max() + 1 if num_tokens else 1) + records.sequence)
@@ -120,11 +121,11 @@ def aggregate_states(records: StateRecords) -> dict[str, float]:
     weight = records.weight.double()
     names += ["weight/mean", "weight/abs_mean", "weight/positive_frac"]
     values += [weight.mean(), weight.abs().mean(), (weight > 0).double().mean()]
-    has_teacher = ~torch.isnan(records.teacher_logp)
-    if has_teacher.any():
-        teacher_logp = records.teacher_logp.double()[has_teacher]
+    sampled_by_learner = ~torch.isnan(records.teacher_logp) & (records.source == source_code("learner"))
+    if sampled_by_learner.any():
+        teacher_logp = records.teacher_logp.double()[sampled_by_learner]
         names += ["teacher_nll", "teacher_kl"]
-        values += [-teacher_logp.mean(), (logp[has_teacher] - teacher_logp).mean()]
+        values += [-teacher_logp.mean(), (logp[sampled_by_learner] - teacher_logp).mean()]
     metrics.update(zip(names, torch.stack(values).tolist()))
     return metrics
 
