@@ -51,7 +51,7 @@ lab: $(CORE)
 
 # The main job: on-policy distillation of the lab math teacher into the lab base model (builds the lab on first use).
 # `accelerate launch` with a config that does not say `use_cpu: true` gives a CPU run one thread
-# (OMP_NUM_THREADS=1) unless told otherwise: on 2 cores that makes the first demo 1.7x slower.
+# (OMP_NUM_THREADS=1) unless told otherwise: on 2 cores that makes the lab build 1.7x slower.
 THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: $(CORE)
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py

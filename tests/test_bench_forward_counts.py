@@ -3,6 +3,7 @@ TRL's, and on-policy distillation costs the rollout's generation forwards plus o
 one forward for the teacher (bench/ measures the time and memory)."""
 
 import pytest
+from cpu_settings import CPU
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
@@ -14,19 +15,7 @@ from trl_statelens import (
     StateLensSFTTrainer,
 )
 
-CPU = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-    seed=0,
-    max_steps=2,
-    learning_rate=1e-3,
-)
+CPU = dict(**CPU, max_steps=2, learning_rate=1e-3)
 COMPLETION_TOKENS = 8
 # Every rollout runs to full length, so each step generates with exactly COMPLETION_TOKENS forwards
 FULL_LENGTH = dict(max_completion_length=COMPLETION_TOKENS, generation_kwargs={"min_new_tokens": COMPLETION_TOKENS})

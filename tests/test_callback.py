@@ -4,24 +4,13 @@ import json
 import logging
 
 import pytest
+from cpu_settings import CPU
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
 from trl_statelens.lab import format_plain
-
-CPU = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-    seed=0,
-)
 
 
 @pytest.fixture(scope="module")

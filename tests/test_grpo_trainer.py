@@ -4,22 +4,11 @@ import json
 
 import pytest
 import torch
+from cpu_settings import CPU
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_statelens import StateLensGRPOTrainer, StateLoggingCallback
-
-CPU = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-    seed=0,
-)
 
 
 def digit_reward(completions, **kwargs):

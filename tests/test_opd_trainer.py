@@ -2,24 +2,13 @@ import json
 
 import pytest
 import torch
+from cpu_settings import CPU
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import DistillationConfig, DistillationTrainer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.lab import build_model
-
-CPU = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    dataloader_num_workers=0,
-    seed=0,
-    disable_tqdm=True,
-)
 
 
 def opd_config(tmp_path, **kwargs):

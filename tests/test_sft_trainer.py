@@ -4,23 +4,12 @@ import json
 
 import pytest
 import torch
+from cpu_settings import CPU
 from datasets import Dataset
 from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
 from trl_statelens import StateLensSFTTrainer, StateLoggingCallback
-
-CPU = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-    seed=0,
-)
 
 
 def sft_config(tmp_path, name, **overrides):

@@ -14,8 +14,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared CPU settings
 
 import torch  # noqa: E402
+from cpu_settings import CPU  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, SFTConfig  # noqa: E402
@@ -34,19 +36,7 @@ model_path, output_dir = sys.argv[1], Path(sys.argv[2])
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 rows = LabWorld(seed=0).math("train", n=32)
 dataset = Dataset.from_list([{"prompt": format_plain(r["question"]), "completion": " " + r["answer"]} for r in rows])
-common = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-    seed=0,
-    per_device_train_batch_size=2,
-    learning_rate=1e-3,
-)
+common = dict(**CPU, per_device_train_batch_size=2, learning_rate=1e-3)
 
 # SFT, with gradient accumulation: ranks see different rows, so different numbers of supervised tokens
 sft = StateLensSFTTrainer(
