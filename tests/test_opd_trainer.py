@@ -139,6 +139,23 @@ def test_state_source_mix_is_honoured_per_sample_and_recorded(tmp_path, student_
         tokens = sum(s[f"source_frac/{source}"] * s["supervised_tokens"] for s in steps)
         from_sequences = sum(s["num_supervised"] for s in states if s["source"] == source)
         assert tokens == pytest.approx(from_sequences)
+    # the ledger's teacher_kl averages the learner's own tokens only, as the trainer's metric does
+    assert [s["teacher_kl"] for s in steps] == pytest.approx(log_history(trainer, "teacher_kl"), rel=1e-4, abs=1e-6)
+
+
+def test_continuation_ledger_has_no_teacher_kl(tmp_path, student_path, math_trained_path, math_dataset):
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(math_trained_path),
+        args=opd_config(tmp_path, max_steps=1, signal="continuation", continuation_length=4),
+        train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback()],
+    )
+    trainer.train()
+    (step,) = [json.loads(line) for line in open(tmp_path / "statelens" / "steps.jsonl")]
+    # every supervised token was written by the teacher: log p_S - log p_T there estimates no KL
+    assert step["supervised_tokens"] > 0 and "teacher_kl" not in step and "teacher_nll" not in step
+    assert len(log_history(trainer, "teacher_kl")) == 1  # the trainer's metric, on the student's own prefix
 
 
 def test_dataset_source_without_reference_column_fails_clearly(tmp_path, student_path, teacher_path, math_dataset):

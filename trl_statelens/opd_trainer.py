@@ -333,7 +333,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 source=align(token_source),
                 prefix_len=align(torch.arange(num_completion, device=input_ids.device).expand_as(completion_ids)),
                 attention_mask=attention_mask,
-                teacher_logps=align(teacher_logps),
+                # Continuation tokens are the teacher's own samples: the records' teacher_kl (over tokens the
+                # learner sampled) has nothing to average there; the trainer's `teacher_kl` covers the prefix.
+                teacher_logps=None if self.args.signal == "continuation" else align(teacher_logps),
                 weights=weights if isinstance(weights, float) else align(weights),
                 rewards=inputs.get("rewards"),
             )

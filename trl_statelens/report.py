@@ -355,7 +355,8 @@ def state_table(runs: list[Run]) -> list[Block]:
             "Supervised tokens: the total over all steps. dataset / learner / teacher: share of supervised tokens by "
             "state source. The other columns are per-step values averaged over steps, each step weighted by its "
             "supervised tokens (prefix quantiles are per-step quantiles so averaged); prefix max is the longest "
-            "supervised prefix of the run; teacher_kl only where a teacher scored the tokens.",
+            "supervised prefix of the run; teacher_kl over supervised tokens the learner sampled itself (OPD "
+            "reverse_kl and divergence; the continuation signal supervises the teacher's own tokens).",
         ),
         *(note(text) for text in notes),
     ]
