@@ -6,11 +6,12 @@ import json
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 from matplotlib.image import imread
 
 from trl_statelens.evaluation import retention_summary
-from trl_statelens.report import add_report_arguments, run_report_cli, write_report
+from trl_statelens.report import add_report_arguments, run_report_cli, token_weighted_mean, write_report
 
 PLOTS = ["state_curves.png", "prefix_lengths.png", "drift.png", "tradeoff.png", "teacher_kl.png"]
 
@@ -276,3 +277,16 @@ def test_cli_reports_a_bad_folder_in_one_line(tmp_path, capsys):
     assert run_report_cli(args) == 2
     error = capsys.readouterr().err
     assert error.startswith("statelens report: error: run folder") and "does not exist" in error
+
+
+def test_teacher_kl_is_weighted_by_the_learner_tokens_it_averages():
+    steps = pd.DataFrame(
+        {
+            "supervised_tokens": [100, 300],
+            "source_frac/learner": [1.0, 0.0],  # step 2's tokens all came from the dataset: its value covers nothing
+            "teacher_kl": [0.2, 0.9],
+            "state_nll": [1.0, 2.0],
+        }
+    )
+    assert token_weighted_mean(steps, "teacher_kl", source="learner") == pytest.approx(0.2)
+    assert token_weighted_mean(steps, "state_nll") == pytest.approx((100 * 1.0 + 300 * 2.0) / 400)

@@ -191,13 +191,17 @@ def column(frame: pd.DataFrame | None, name: str) -> np.ndarray | None:
     return values if np.isfinite(values).any() else None
 
 
-def token_weighted_mean(steps: pd.DataFrame | None, name: str) -> float | None:
-    """Mean of a per-step metric, each step weighted by its supervised tokens (the mean over supervised tokens)."""
+def token_weighted_mean(steps: pd.DataFrame | None, name: str, source: str | None = None) -> float | None:
+    """Mean of a per-step metric, each step weighted by its supervised tokens (the mean over supervised tokens), or
+    by its supervised tokens from one state ``source`` for a metric averaged over those tokens only."""
     values = column(steps, name)
     if values is None:
         return None
     weights = column(steps, "supervised_tokens")
     weights = np.ones_like(values) if weights is None else np.nan_to_num(weights)
+    if source is not None:
+        share = column(steps, f"source_frac/{source}")
+        weights = weights * (0.0 if share is None else np.nan_to_num(share))
     usable = np.isfinite(values) & (weights > 0)
     if not usable.any():
         return None
@@ -344,7 +348,7 @@ def state_table(runs: list[Run]) -> list[Block]:
                 *(fmt(token_weighted_mean(steps, m), ".4f") for m in ("state_nll", "state_entropy", "offpolicy_gap")),
                 *(fmt(token_weighted_mean(steps, f"prefix_len/{q}"), ".1f") for q in ("p10", "p50", "p90")),
                 fmt(None if prefix_max is None else float(np.nanmax(prefix_max)), ".0f"),
-                fmt(token_weighted_mean(steps, "teacher_kl"), ".4f"),
+                fmt(token_weighted_mean(steps, "teacher_kl", source="learner"), ".4f"),
             ]
         )
     return [
