@@ -23,7 +23,6 @@ import torch
 from common import (
     CPU_ARGS,
     backbone,
-    build_model,
     count_parameters,
     print_table,
     ratio_row,
@@ -36,7 +35,7 @@ from datasets import Dataset
 from trl import DistillationConfig, DistillationTrainer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
-from trl_statelens.lab import LabWorld, build_tokenizer, format_plain
+from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
 
 STUDENT = dict(hidden=256, layers=4, ffn=1024)
 TEACHER = dict(hidden=256, layers=4, ffn=1024)  # same shape, other weights: the teacher forward costs one student one
@@ -177,7 +176,7 @@ def main(repeats: int = 3, steps: int = 4) -> dict:
     for vocab_size in VOCAB_SIZES:
         paths = {}
         for name, shape, seed in (("student", STUDENT, 0), ("teacher", TEACHER, 1)):
-            model = build_model(tokenizer, **shape, vocab_size=vocab_size, seed=seed)
+            model = build_qwen3(tokenizer, **shape, vocab_size=vocab_size, seed=seed)
             paths[name] = f"{model_dir}/{name}-{vocab_size}"
             model.save_pretrained(paths[name])
             tokenizer.save_pretrained(paths[name])

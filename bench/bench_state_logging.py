@@ -19,7 +19,6 @@ import time
 from common import (
     CPU_ARGS,
     backbone,
-    build_model,
     count_parameters,
     print_table,
     ratio_row,
@@ -32,7 +31,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
-from trl_statelens.lab import LabWorld, build_tokenizer, format_plain
+from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
 
 MODEL = dict(hidden=256, layers=4, ffn=1024)
 BATCH = 8  # SFT sequences, or GRPO rollouts (2 prompts x 4 generations), per step
@@ -117,7 +116,7 @@ def main(repeats: int = 3, steps: int = 3) -> dict:
     probe_prompts = [format_plain(r["question"]) for r in world.math("dev")[:NUM_PROBE_PROMPTS]]
 
     model_path = tempfile.mkdtemp(prefix="bench-state-logging-model-")
-    model = build_model(tokenizer, **MODEL)
+    model = build_qwen3(tokenizer, **MODEL)
     model.save_pretrained(model_path)
     tokenizer.save_pretrained(model_path)
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: CPU settings, models, per-step timing and forward counts, and one forked child
+"""Shared pieces of the benchmarks: CPU settings, per-step timing and forward counts, and one forked child
 per run (a fresh peak-memory reading without paying the ~8 s `import trl` again)."""
 
 import json
@@ -19,7 +19,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -46,32 +46,6 @@ CPU_ARGS = dict(
     seed=0,
     learning_rate=1e-4,
 )
-
-
-def build_model(tokenizer, hidden: int, layers: int, ffn: int, vocab_size: int | None = None, seed: int = 0):
-    """A random-init Qwen3 like the lab's (`trl_statelens.lab.build_model`) but of any width and vocabulary size.
-
-    A vocabulary larger than the tokenizer's is allowed: ids past the tokenizer only need to decode (to nothing), and
-    the full-vocabulary losses and projections pay for every row of the embedding, which is what we measure."""
-    eos_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    config = Qwen3Config(
-        vocab_size=vocab_size or len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-    return model
 
 
 def count_parameters(model) -> int:

@@ -15,7 +15,7 @@ from .build import (
     score_math,
     score_multiple_choice,
 )
-from .model import MODEL_SIZES, build_model
+from .model import MODEL_SIZES, build_model, build_qwen3
 from .tokenizer import CHAT_TEMPLATE, build_tokenizer
 from .world import LabWorld, check_math_answer, format_plain
 
@@ -25,6 +25,7 @@ __all__ = [
     "LabWorld",
     "build_lab",
     "build_model",
+    "build_qwen3",
     "build_teacher",
     "build_tokenizer",
     "check_math_answer",

@@ -17,9 +17,24 @@ def build_model(size: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0) ->
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}: choose one of {sorted(MODEL_SIZES)}")
     hidden, layers, ffn = MODEL_SIZES[size]
+    return build_qwen3(tokenizer, hidden, layers, ffn, seed=seed)
+
+
+def build_qwen3(
+    tokenizer: PreTrainedTokenizerBase,
+    hidden: int,
+    layers: int,
+    ffn: int,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 of any width with ``tokenizer``'s special ids (the benchmarks' models too).
+
+    ``vocab_size`` defaults to the tokenizer's. A larger one is allowed: ids past the tokenizer only need to decode (to
+    nothing), and full-vocabulary losses and projections pay for every row of the embedding."""
     eos_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
