@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from .callback import StateLoggingCallback
+from .callback import StateLoggingCallback, check_no_ledger
 from .data import load_gsm8k
 from .evaluation import RETENTION_TASKS, evaluate_model, parse_limit, retention_summary
 
@@ -156,6 +156,8 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     training_args = trainer.args
     out = Path(training_args.output_dir)
     accelerator = trainer.accelerator
+    if not training_args.resume_from_checkpoint:  # before evaluating: a fresh run must not overwrite another's ledger
+        check_no_ledger(out)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     before = None
     if accelerator.is_main_process and args.eval_before:
