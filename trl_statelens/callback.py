@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import unwrap_model_for_generation
 
+from .checks import check_probe_lengths, context_length
 from .drift import drift_metrics, featurize, prefix_states
 from .records import StateRecorderMixin, aggregate_states, prefix_len_histogram
 
@@ -112,6 +113,7 @@ class StateLoggingCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._prepare_ledger(resumed_at=state.global_step)
         if self.probe_prompts is not None:
+            self._check_probe_lengths()
             self._reference_features = featurize(prefix_states(self._reference_completions(state)))
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -197,6 +199,16 @@ class StateLoggingCallback(TrainerCallback):
         if self.probe_max_new_tokens is not None:
             config.max_new_tokens = self.probe_max_new_tokens
         return config
+
+    def _check_probe_lengths(self) -> None:
+        tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+        prompts = [
+            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in self.probe_prompts
+        ]
+        model = self.trainer.model
+        max_new_tokens = self._probe_generation_config(model).max_new_tokens
+        check_probe_lengths(tokenizer, prompts, max_new_tokens, context_length(model))
 
     @torch.no_grad()
     def _sample_probes(self) -> list[str]:
