@@ -201,3 +201,66 @@ def test_malformed_gsm8k_answer_is_dropped_with_a_warning(tmp_path, caplog):
     path.write_text(json.dumps(rows[2]) + "\n")
     with pytest.raises(ValueError, match="no answer ends with a final '#### N'"):
         load_gsm8k(str(path))
+
+
+# ----- loading safely: no pickle, no remote code ------------------------------------------------------------------
+class WritesMarker:
+    """Unpickling this object runs code: it creates `path`. A safe loader never gets that far."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_models_load_from_safetensors_only(tmp_path, tokenizer):
+    from trl_statelens.evaluation import load_model_and_tokenizer
+    from trl_statelens.lab import build_model
+
+    pickled = tmp_path / "pickled"  # the weights in a pickle file, as older checkpoints ship them
+    model = build_model("test", tokenizer)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    tokenizer.save_pretrained(pickled)
+    prompts = Dataset.from_list([{"prompt": "Question: 1 + 1?\nAnswer:"}] * 4)
+    with pytest.raises(OSError, match="safetensors"):
+        StateLensSFTTrainer(model=str(pickled), args=sft_args(tmp_path), train_dataset=prompts)
+    with pytest.raises(OSError, match="safetensors"):
+        StateLensGRPOTrainer(model=str(pickled), reward_funcs=constant_reward, args=grpo_args(tmp_path),
+                             train_dataset=prompts)  # fmt: skip
+    with pytest.raises(OSError, match="safetensors"):
+        load_model_and_tokenizer(pickled, device="cpu")
+
+
+def test_remote_code_is_not_run(tmp_path, student_path):
+    import shutil
+
+    custom = tmp_path / "custom"
+    shutil.copytree(student_path, custom)
+    marker = tmp_path / "remote_code_ran"
+    (custom / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w')\nfrom transformers import Qwen3Config as EvilConfig, Qwen3ForCausalLM as Evil\n"
+    )
+    config = json.loads((custom / "config.json").read_text())  # a model type only the folder's own code defines
+    config.update(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"})
+    (custom / "config.json").write_text(json.dumps(config))
+    prompts = Dataset.from_list([{"prompt": "Question: 1 + 1?\nAnswer:"}] * 4)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        StateLensGRPOTrainer(model=str(custom), reward_funcs=constant_reward, args=grpo_args(tmp_path),
+                             train_dataset=prompts)  # fmt: skip
+    assert not marker.exists()
+
+
+def test_lab_pretraining_checkpoint_loads_without_unpickling_code(tmp_path, world, tokenizer):
+    from trl_statelens.lab import build_model
+    from trl_statelens.lab.build import pretrain
+
+    marker = tmp_path / "pickle_code_ran"
+    (tmp_path / "pretrain").mkdir()
+    torch.save({"model": {}, "step": 1, "payload": WritesMarker(marker)}, tmp_path / "pretrain" / "ckpt.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        pretrain(build_model("test", tokenizer), tokenizer, world, tmp_path / "pretrain", log=lambda _: None,
+                 max_steps=1, batch_size=2, block=32, eval_every=1)  # fmt: skip
+    assert not marker.exists()

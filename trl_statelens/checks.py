@@ -21,6 +21,13 @@ def bound_arguments(trainer_class, args: tuple, kwargs: dict) -> dict:
     return bound.arguments
 
 
+def load_safetensors_only(args) -> None:
+    """Models given by path load from safetensors files only (no pickle), unless `model_init_kwargs` says otherwise;
+    `trust_remote_code` stays TRL's default, `False`."""
+    if args is not None and not isinstance(args.model_init_kwargs, str):
+        args.model_init_kwargs = {"use_safetensors": True, **(args.model_init_kwargs or {})}
+
+
 def check_train_dataset(dataset, required: tuple[str, ...], what: str) -> None:
     """A training set with rows, holding one of the `required` columns (which the trainer `what` reads)."""
     if dataset is None or isinstance(dataset, dict):  # dicts of datasets are for evaluation only

@@ -14,6 +14,7 @@ from .checks import (
     check_tokenizer,
     check_train_dataset,
     context_length,
+    load_safetensors_only,
     tokenizer_of,
 )
 from .records import StateRecorderMixin
@@ -43,6 +44,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         what = type(self).__name__
         check_train_dataset(given.get("train_dataset"), ("prompt",), what)
         check_tokenizer(tokenizer_of(given.get("processing_class"), given["model"]))
+        load_safetensors_only(given.get("args"))
         super().__init__(*args, **kwargs)
         check_prompt_lengths(
             self.train_dataset, self._tokenizer, context_length(self.model), self.args.max_completion_length, what

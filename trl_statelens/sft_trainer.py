@@ -14,6 +14,7 @@ from .checks import (
     check_tokenizer,
     check_train_dataset,
     context_length,
+    load_safetensors_only,
     tokenizer_of,
 )
 from .records import StateRecorderMixin
@@ -45,6 +46,7 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         check_train_dataset(given.get("train_dataset"), (text_field, *SFT_COLUMNS), "StateLensSFTTrainer")
         tokenizer = tokenizer_of(given.get("processing_class"), given["model"])
         check_tokenizer(tokenizer, getattr(given.get("args"), "eos_token", None))
+        load_safetensors_only(given.get("args"))
         super().__init__(*args, **kwargs)
         check_sequence_lengths(self.train_dataset, context_length(self.model), self.args.max_length, "SFT")
         # The hook sees the loss's forward through any wrapper (DDP, DeepSpeed, PEFT): they all call this module
