@@ -27,7 +27,7 @@ from trl_statelens.lab import LabWorld, format_plain  # noqa: E402
 
 torch.set_num_threads(1)
 model_path, output_dir = sys.argv[1], Path(sys.argv[2])
-rows = LabWorld(seed=0).math("train", n=16)
+rows = LabWorld(seed=0).math("train", n=8)
 dataset = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in rows])
 # seed 0, 2 rows per rank: the ranks draw [1, 0] and [1, 0] teacher rows on the first two generation batches
 trainer = OnPolicyDistillTrainer(
@@ -35,10 +35,10 @@ trainer = OnPolicyDistillTrainer(
     teacher_model=model_path,
     args=OnPolicyDistillConfig(
         output_dir=str(output_dir),
-        max_steps=3,
+        max_steps=2,
         per_device_train_batch_size=2,
         num_generations=2,
-        max_completion_length=6,
+        max_completion_length=4,
         learning_rate=1e-3,
         state_source_mix={"learner": 0.8, "teacher": 0.2},
         **CPU,
