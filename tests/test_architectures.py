@@ -233,14 +233,7 @@ def test_opd_teacher_equal_to_student_says_nothing(tmp_path, family_paths, math_
         assert log_history(trainer, "grad_norm")[0] < 1e-4
 
 
-def divergence_parity_params():
-    reason = "issue 13 item 7: soft-capping not passed; fixed on branch i13"
-    return [
-        pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=reason)) if f == "gemma2" else f for f in FAMILIES
-    ]
-
-
-@pytest.mark.parametrize("parity_family", divergence_parity_params())
+@pytest.mark.parametrize("parity_family", FAMILIES)
 def test_divergence_beta1_matches_distillation_trainer(tmp_path, tokenizer, math_dataset, parity_family):
     """The divergence loss with jsd_beta=1 is TRL's DistillationTrainer(beta=1) loss on the same batch."""
     paths = {}
