@@ -340,15 +340,15 @@ def test_evaluate_model_writes_results_and_items(tmp_path, lab_tokenizer, tiny_m
         ["truthfulqa", "mmlu"],
         tokenizer=lab_tokenizer,
         data_dir="lab",
-        limit={"truthfulqa": 3, "mmlu": 5},
+        limit={"truthfulqa": 8, "mmlu": 9},  # subsets where this random model scores above 0
         out=out,
         progress=False,
     )
     saved = json.loads(out.read_text())
     assert saved["scores"] == results["scores"] and set(saved["scores"]) == {"truthfulqa", "mmlu"}
-    assert saved["settings"]["mmlu"]["scoring"] == "continuation" and saved["settings"]["mmlu"]["limit"] == 5
+    assert saved["settings"]["mmlu"]["scoring"] == "continuation" and saved["settings"]["mmlu"]["limit"] == 9
     items = [json.loads(line) for line in (tmp_path / "results" / "base.items.jsonl").read_text().splitlines()]
-    assert [i["task"] for i in items] == ["truthfulqa"] * 3 + ["mmlu"] * 5
+    assert [i["task"] for i in items] == ["truthfulqa"] * 8 + ["mmlu"] * 9
     assert retention_summary(saved, results) == {"forgetting": 0.0, "retention": 1.0}
 
 
@@ -362,7 +362,7 @@ def test_eval_cli_on_a_saved_model(tmp_path, student_path, capsys):
         "--data-dir",
         "lab",
         "--limit",
-        "3",
+        "8",
         "--max-new-tokens",
         "8",
         "--out",
@@ -413,7 +413,7 @@ def test_retention_callback_logs_through_a_real_trainer(tmp_path, lab_tokenizer)
 def test_retention_callback_without_trainer_appends_to_log_history(lab_tokenizer, tiny_model):
     from transformers import TrainerControl, TrainerState
 
-    callback = RetentionEvalCallback(["mmlu"], eval_steps=5, data_dir="lab", limit=4)
+    callback = RetentionEvalCallback(["mmlu"], eval_steps=5, data_dir="lab", limit=8)
     state, control = TrainerState(), TrainerControl()
     tiny_model.train()
     callback.on_train_begin(None, state, control, model=tiny_model, processing_class=lab_tokenizer)
