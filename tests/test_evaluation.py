@@ -623,3 +623,17 @@ def test_eval_cli_lm_eval_protocol_with_separate_shot_counts(tmp_path, student_p
     assert saved["protocol"] == "lm-eval" and saved["tasks_done"] == ["gsm8k", "mmlu"]
     assert saved["settings"]["gsm8k"]["num_shots"] == 5 and saved["settings"]["mmlu"]["num_shots"] == 2
     assert saved["settings"]["mmlu"]["protocol"] == "lm-eval" and saved["settings"]["mmlu"]["scoring"] == "letter"
+
+
+def test_lm_eval_mmlu_limit_takes_the_first_rows_of_each_subject(tmp_path):
+    folder = tmp_path / "mmlu"
+    folder.mkdir()
+    rows = mmlu_rows({"astronomy": [1, 2, 3], "virology": [0, 1]})
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chosen = MMLUTask(folder, protocol="lm-eval", limit=2).rows()
+    assert [(r["subject"], r["answer"]) for r in chosen] == [
+        ("astronomy", 1),
+        ("astronomy", 2),
+        ("virology", 0),
+        ("virology", 1),
+    ]

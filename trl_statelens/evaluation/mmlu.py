@@ -58,7 +58,8 @@ class MMLUTask:
             answers).
         subjects: only these subjects.
         limit / seed: ``limit`` questions (after the subject filter): under ``statelens`` chosen by a hash of the
-            question seeded with ``seed``, under ``lm-eval`` the first ones.
+            question seeded with ``seed``; under ``lm-eval`` the first ``limit`` of each subject, as lm-eval's
+            ``--limit`` on the ``mmlu`` group (one task per subject).
     """
 
     name = "mmlu"
@@ -110,7 +111,13 @@ class MMLUTask:
                 rows = [r for r in rows if r["subject"] in set(self.subjects)]
                 if not rows:
                     raise ValueError(f"no MMLU rows for subjects {self.subjects}: check the subject names")
-            self._rows = subset_rows(rows, self.limit, self.seed, SUBSET_RULES[self.protocol])
+            if SUBSET_RULES[self.protocol] == "first":  # lm-eval's --limit applies to each subject's task
+                by_subject = {}
+                for row in rows:
+                    by_subject.setdefault(row["subject"], []).append(row)
+                self._rows = [r for group in by_subject.values() for r in subset_rows(group, self.limit, 0, "first")]
+            else:
+                self._rows = subset_rows(rows, self.limit, self.seed, SUBSET_RULES[self.protocol])
         return self._rows
 
     def load(self) -> list[dict]:

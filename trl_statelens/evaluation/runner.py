@@ -14,7 +14,7 @@ from transformers.utils import logging
 from .gsm8k import GSM8KTask
 from .mmlu import MMLUTask
 from .protocols import check_protocol
-from .scoring import mean
+from .scoring import context_window, mean
 from .truthfulqa import TruthfulQATask
 
 logger = logging.get_logger(__name__)
@@ -179,6 +179,7 @@ def evaluate_model(
             "subjects": {name: output["subjects"] for name, output in outputs.items() if "subjects" in output},
             "settings": {t.name: t.settings() for t in task_objects},
             "seed": seed,
+            "context_window": context_window(model, tokenizer),  # longer prompts keep their last tokens
             "elapsed_s": round(time.perf_counter() - started, 1),
             **(extra or {}),
         }
