@@ -59,7 +59,7 @@ def official_yaml(relative: str) -> dict:
     return yaml.safe_load((TASKS_DIR / relative).read_text())
 
 
-# ----- the gsm8k filters and exact_match, on strings chosen to break them ---------------------------------------------
+# ----- the gsm8k filters and exact_match, on strings chosen to break them -----------------------------------------
 def test_our_gsm8k_filters_are_the_official_yaml_ones():
     config = official_yaml("gsm8k/gsm8k.yaml")
     filters = {f["name"]: f["filter"][0] for f in config["filter_list"]}

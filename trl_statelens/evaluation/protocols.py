@@ -9,10 +9,10 @@ and every setting in effect is recorded in the results.
   ``random.Random(1234)``, stop at ``Question:``, ``</s>``, ``<|im_end|>`` and eos, the ``strict-match`` and
   ``flexible-extract`` regex filters and ``exact_match`` with lm-eval's ignore rules; ``truthfulqa_mc1`` /
   ``truthfulqa_mc2`` 0-shot after lm-eval's 6-question ``Q:``/``A:`` primer; ``mmlu`` with its header, lettered
-  choices, ``first_n`` dev shots of the same subject, 0 shots by default; ``limit`` takes the first rows, as
-  lm-eval's ``--limit``.
+  choices, ``first_n`` dev shots of the same subject, 0 shots by default; ``limit`` takes the first rows (of
+  each subject for MMLU), as lm-eval's ``--limit``.
 - ``"statelens"`` (the default) is the package's own: plain ``Question: ...\\nAnswer:`` prompts for every task
-  (the format the lab and the study's base models are trained on), 0 shots, one fixed seeded set of shots for every
+  (the study's plain GSM8K format, and the lab's), 0 shots, one fixed seeded set of shots for every
   question when shots are asked for, GSM8K answers compared as numbers (``#### 18.00``, ``####18`` and
   ``#### $18`` count as 18, where lm-eval's strict filter rejects them), MMLU shots padded from other subjects, and
   subsets keyed on the question text (the same questions from the hub and from a local copy in another order).
