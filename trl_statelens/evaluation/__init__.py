@@ -4,8 +4,8 @@ plus Forgetting and Retention as the study defines them.
 One module per task (:mod:`.gsm8k`, :mod:`.truthfulqa`, :mod:`.mmlu`), each with its prompt, shots and scoring and a
 table of its settings per protocol; :mod:`.scoring` holds the log-likelihood, generation and subset code they share;
 :mod:`.protocols` describes the two protocols, ``"statelens"`` (the package's own, the default) and ``"lm-eval"``
-(lm-evaluation-harness 0.4.x, checked item by item against it); :mod:`.runner` runs tasks, writes results and holds
-the training callback; :mod:`.cli` is ``statelens eval``.
+(lm-evaluation-harness 0.4.x, checked item by item against it); :mod:`.runner` runs tasks and writes results;
+:mod:`.callback` evaluates during training; :mod:`.cli` is ``statelens eval``.
 
 Each task loads its rows (hub id, local file or folder, or ``"lab"``), runs the model batched and returns
 ``{"metrics": {...}, "records": [...]}``: the scores and one record per item, so every number can be traced back to
@@ -27,6 +27,7 @@ Forgetting and Retention (:func:`retention_summary`): over the retention tasks s
 ``forgetting = mean(base - post)`` and ``retention = mean(post / base)``.
 """
 
+from .callback import RetentionEvalCallback
 from .cli import add_eval_arguments, parse_limit, run_eval_cli
 from .gsm8k import GSM8K_PROTOCOLS, LM_EVAL_FEWSHOT_SEED, GSM8KTask, per_question_shots
 from .mmlu import LETTERS, MMLU_HUB_ID, MMLU_PROTOCOLS, MMLU_SCORING, MMLUTask, read_mmlu_rows
@@ -36,7 +37,6 @@ from .runner import (
     STUDY_LIMITS,
     TASK_NAMES,
     TASKS,
-    RetentionEvalCallback,
     build_tasks,
     evaluate_model,
     load_model_and_tokenizer,
