@@ -223,9 +223,8 @@ def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, *
     result = pretrain(model, tokenizer, world, root / "pretrain", seed=seed, log=log, **pretrain_kwargs)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
-    model = AutoModelForCausalLM.from_pretrained(
-        root / "base", use_safetensors=True
-    )  # score exactly what downstream code will load
+    # score exactly what downstream code will load
+    model = AutoModelForCausalLM.from_pretrained(root / "base", use_safetensors=True)
     scores = evaluate_base(model, tokenizer, world, split="test")
     info = {
         "seed": seed,
