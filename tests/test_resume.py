@@ -148,16 +148,9 @@ def uninterrupted_runs(tmp_path_factory, student_path, teacher_path):
     return get
 
 
-OPD_RNG = pytest.mark.xfail(
-    strict=True, reason="OnPolicyDistillTrainer does not save its state-source/cut-point generator in checkpoints yet"
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["step", "ledger"])
-@pytest.mark.parametrize(
-    "case", [pytest.param(case, marks=OPD_RNG) if case.startswith("opd") else case for case in CASES]
-)
+@pytest.mark.parametrize("case", list(CASES))
 def test_killed_run_resumes_as_if_uninterrupted(tmp_path, uninterrupted_runs, case, where):
     config, uninterrupted = uninterrupted_runs(case)
     recipe = CASES[case][0]
