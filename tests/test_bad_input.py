@@ -175,6 +175,33 @@ def test_probe_prompts_longer_than_the_context(tmp_path, student_path, math_data
     assert trainer.state.global_step == 0
 
 
+def opd(student_path, teacher, tmp_path, dataset):
+    from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+
+    settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1)
+    args = OnPolicyDistillConfig(output_dir=str(tmp_path / "opd"), **{**CPU, **settings})
+    return OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher), args=args, train_dataset=dataset
+    )
+
+
+def test_teacher_with_another_chat_template_warns(tmp_path, student_path, teacher_path, math_dataset, caplog):
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_path, teacher)
+    prompts = math_dataset.select_columns(["prompt"])
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd_trainer"):
+        opd(student_path, teacher, tmp_path, prompts)
+    assert "chat template" not in caplog.text  # same tokenizer files: nothing to say
+    retemplated = AutoTokenizer.from_pretrained(teacher)
+    retemplated.chat_template = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    retemplated.save_pretrained(teacher)  # same vocabulary, another layout
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd_trainer"):
+        opd(student_path, teacher, tmp_path, prompts)
+    assert f"The teacher's chat template ({teacher}) differs from the student's" in caplog.text
+
+
 def test_output_dir_with_another_runs_ledger(tmp_path, student_path, math_dataset):
     def trainer():
         return StateLensSFTTrainer(
@@ -214,7 +241,7 @@ class WritesMarker:
         return (open, (self.path, "w"))
 
 
-def test_models_load_from_safetensors_only(tmp_path, tokenizer):
+def test_models_load_from_safetensors_only(tmp_path, tokenizer, student_path):
     from trl_statelens.evaluation import load_model_and_tokenizer
     from trl_statelens.lab import build_model
 
@@ -232,6 +259,8 @@ def test_models_load_from_safetensors_only(tmp_path, tokenizer):
                              train_dataset=prompts)  # fmt: skip
     with pytest.raises(OSError, match="safetensors"):
         load_model_and_tokenizer(pickled, device="cpu")
+    with pytest.raises(OSError, match="safetensors"):  # the OPD teacher too
+        opd(student_path, pickled, tmp_path, prompts)
 
 
 def test_remote_code_is_not_run(tmp_path, student_path):
