@@ -47,6 +47,8 @@ def test_empty_dataset(tmp_path, student_path, math_dataset):
         StateLensSFTTrainer(model=str(student_path), args=sft_args(tmp_path), train_dataset=empty)
     with pytest.raises(ValueError, match="train_dataset has no rows"):
         grpo(student_path, tmp_path, empty)
+    with pytest.raises(ValueError, match="OnPolicyDistillTrainer: train_dataset has no rows"):
+        opd(student_path, tmp_path / "no_teacher_needed", tmp_path, empty)  # refused before the teacher loads
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no rows"):
         load_gsm8k(str(tmp_path / "empty.jsonl"))
@@ -69,8 +71,13 @@ def test_prompt_longer_than_the_context(tmp_path, student_path, math_dataset, to
     with pytest.raises(ValueError, match="1 prompt\\(s\\) do not fit the model's context of 512 .*row 3"):
         grpo(student_path, tmp_path, rows.select_columns(["prompt"]))
     # a prompt that fits alone, but not with max_completion_length generated tokens after it
-    with pytest.raises(ValueError, match="max_completion_length=500"):
+    with pytest.raises(ValueError, match="with 500 tokens after them"):
         grpo(student_path, tmp_path, rows.select(range(3)), max_completion_length=500)
+    # OPD continuations: up to continuation_length teacher tokens after a full rollout
+    with pytest.raises(ValueError, match="with 476 tokens after them"):
+        opd(student_path, student_path, tmp_path, rows.select(range(3)), max_completion_length=460,
+            signal="continuation", continuation_length=16)  # fmt: skip
+    opd(student_path, student_path, tmp_path, rows.select(range(3)), max_completion_length=460)  # fits
     # SFT truncates to max_length; without a max_length, rows longer than the context are refused
     with pytest.raises(ValueError, match="do not fit the model's context of 512 tokens .*max_length=None"):
         StateLensSFTTrainer(model=str(student_path), args=sft_args(tmp_path, max_length=None), train_dataset=rows)
@@ -175,11 +182,11 @@ def test_probe_prompts_longer_than_the_context(tmp_path, student_path, math_data
     assert trainer.state.global_step == 0
 
 
-def opd(student_path, teacher, tmp_path, dataset):
+def opd(student_path, teacher, tmp_path, dataset, **overrides):
     from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 
     settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1)
-    args = OnPolicyDistillConfig(output_dir=str(tmp_path / "opd"), **{**CPU, **settings})
+    args = OnPolicyDistillConfig(output_dir=str(tmp_path / "opd"), **{**CPU, **settings, **overrides})
     return OnPolicyDistillTrainer(
         model=str(student_path), teacher_model=str(teacher), args=args, train_dataset=dataset
     )

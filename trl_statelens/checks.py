@@ -65,7 +65,7 @@ def context_length(model) -> int | None:
 
 
 def check_prompt_lengths(dataset, tokenizer, context: int | None, completion_length: int, what: str) -> None:
-    """Every prompt plus `completion_length` generated tokens fits in the model's context."""
+    """Every prompt plus `completion_length` tokens after it fits in the model's context."""
     if context is None or not hasattr(dataset, "__len__") or "prompt" not in (dataset.column_names or ()):
         return
     texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in dataset["prompt"]]
@@ -75,8 +75,9 @@ def check_prompt_lengths(dataset, tokenizer, context: int | None, completion_len
         too_long = sum(length + completion_length > context for length in lengths)
         raise ValueError(
             f"{what}: {too_long} prompt(s) do not fit the model's context of {context} tokens with "
-            f"max_completion_length={completion_length} (the longest, row {longest}, has {lengths[longest]} tokens). "
-            "Filter or shorten those prompts, or lower max_completion_length."
+            f"{completion_length} tokens after them (max_completion_length, plus continuation_length for OPD "
+            f"continuations; the longest prompt, row {longest}, has {lengths[longest]} tokens). Filter or shorten "
+            "those prompts, or generate fewer tokens."
         )
 
 

@@ -46,11 +46,14 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         check_tokenizer(tokenizer_of(given.get("processing_class"), given["model"]))
         load_safetensors_only(given.get("args"))
         super().__init__(*args, **kwargs)
-        check_prompt_lengths(
-            self.train_dataset, self._tokenizer, context_length(self.model), self.args.max_completion_length, what
-        )
+        context = context_length(self.model)
+        check_prompt_lengths(self.train_dataset, self._tokenizer, context, self._tokens_after_prompt(), what)
         self._loss_logps_and_entropies = None
         attach_state_logging(self, state_logging)
+
+    def _tokens_after_prompt(self) -> int:
+        """The most tokens a training sequence holds after its prompt: the completion."""
+        return self.args.max_completion_length
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         try:

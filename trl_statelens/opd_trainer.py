@@ -29,6 +29,7 @@ from trl.trainer.utils import (
 )
 
 from .callback import trainer_generation_config
+from .checks import check_train_dataset
 from .grpo_trainer import StateLensGRPOTrainer
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
@@ -133,6 +134,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
+
+    def _tokens_after_prompt(self) -> int:
+        """A continuation can start at the rollout's last token: up to `continuation_length` more tokens."""
+        extra = self.args.continuation_length if self.args.signal == "continuation" else 0
+        return self.args.max_completion_length + extra
 
     # ----- checkpoints: the source/cut-point generator travels with the trainer's RNG states -----------------------
     def _save_rng_state(self, output_dir: str) -> None:
@@ -566,6 +572,7 @@ def load_teacher(name_or_path: str, args) -> PreTrainedModel:
 def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
     if dataset is None:
         return
+    check_train_dataset(dataset, ("prompt",), "OnPolicyDistillTrainer")  # rows, before the teacher loads
     columns = dataset.column_names or []
     if "prompt" not in columns:
         raise ValueError(
