@@ -170,6 +170,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     trainer.save_model(str(out))
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
+        trainer.end()  # destroys the process group while Python is alive (tests/test_multiprocess.py says why)
         return {}
 
     tokenizer.save_pretrained(out)
@@ -202,6 +203,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
     print_summary(results, trainer.state.log_history, out)
+    trainer.end()
     return results
 
 
