@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import threading
 import time
 import uuid
@@ -81,7 +82,7 @@ class TestTeacherServer:
         self.requests = self.failed = 0
         self._lock = threading.Lock()  # one forward at a time, as one engine would
         self._counter_lock = threading.Lock()
-        torch.manual_seed(seed)
+        self._seeds = random.Random(seed)  # a request without a seed samples with the next one
         self._httpd = None
         self._thread = None
 
@@ -154,9 +155,10 @@ class TestTeacherServer:
                 )
 
         choices = []
-        with self._lock, torch.no_grad():
-            if body.get("seed") is not None:
-                torch.manual_seed(body["seed"])
+        seed = body.get("seed")
+        # Sampling never touches the caller's random state: tests run the server in the trainer's process
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._seeds.randrange(2**31) if seed is None else seed)
             for prompt in prompts:
                 prompt_logprobs = None
                 if num_prompt_logprobs is not None:
