@@ -159,11 +159,16 @@ class TestTeacherServer:
         # Sampling never touches the caller's random state: tests run the server in the trainer's process
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(self._seeds.randrange(2**31) if seed is None else seed)
-            for prompt in prompts:
+            scored = None if num_prompt_logprobs is None else self._score(prompts)
+            for i, prompt in enumerate(prompts):
                 prompt_logprobs = None
-                if num_prompt_logprobs is not None:
-                    prompt_logprobs = self._prompt_logprobs(prompt, num_prompt_logprobs)
-                for sample in self._sample(prompt, body, n, max_tokens):
+                if scored is not None:
+                    prompt_logprobs = self._prompt_logprobs(prompt, scored[i][0], num_prompt_logprobs)
+                if scored is not None and max_tokens == 1 and n == 1 and num_logprobs is None:
+                    samples = [self._first_token(scored[i][1], body.get("temperature", 1.0))]  # vLLM's prefill
+                else:
+                    samples = self._sample(prompt, body, n, max_tokens)
+                for sample in samples:
                     choices.append(
                         {
                             "index": len(choices),
@@ -203,10 +208,25 @@ class TestTeacherServer:
         value = CLAMP if logprob == float("-inf") else logprob
         return str(token_id), {"logprob": value, "rank": rank, "decoded_token": self.tokenizer.decode([token_id])}
 
-    def _prompt_logprobs(self, prompt: list[int], k: int) -> list[dict | None]:
+    def _score(self, prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward over the right-padded prompts: per prompt, the log-probs (temperature 1) at the positions that
+        predict its tokens 2..L, and the logits after its last token (which the first generated token comes from)."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+        attention_mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        return [(logits[i, : len(p) - 1].log_softmax(-1), logits[i, len(p) - 1]) for i, p in enumerate(prompts)]
+
+    def _first_token(self, logits: torch.Tensor, temperature: float) -> dict:
+        """The one token a scoring request (`max_tokens=1`) generates, sampled from the prefill's last logits."""
+        if temperature > 0:
+            token = int(torch.multinomial((logits / temperature).softmax(-1), 1))
+        else:
+            token = int(logits.argmax())
+        return {"token_ids": [token], "finish_reason": "stop" if token in self.eos_token_ids else "length"}
+
+    def _prompt_logprobs(self, prompt: list[int], logprobs: torch.Tensor, k: int) -> list[dict | None]:
         """vLLM's prompt log-probs: temperature 1, the actual token first with its true rank, then the top-k."""
-        logits = self.model(torch.tensor([prompt])).logits[0, :-1].float()
-        logprobs = logits.log_softmax(-1)
         k = logprobs.size(-1) if k == -1 else k
         top_values, top_ids = logprobs.topk(k, dim=-1)
         entries = [None]
