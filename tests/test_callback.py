@@ -204,3 +204,33 @@ def test_attachment_and_bad_arguments(tmp_path, student_path, tokenizer, math_da
         StateLoggingCallback(sample_rate=1.5)
     with pytest.raises(ValueError, match="probe_prompts is empty"):
         StateLoggingCallback(probe_prompts=[])
+
+
+def test_probes_restore_the_trainers_gradient_checkpointing_kwargs(tmp_path, student_path, tokenizer, math_dataset):
+    """Probe sampling turns gradient checkpointing off and on again: back on with the trainer's own kwargs (TRL sets
+    use_reentrant=True for PEFT + ZeRO-3), not with transformers' defaults."""
+    trainer = StateLensGRPOTrainer(
+        model=str(student_path),
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=GRPOConfig(
+            output_dir=str(tmp_path),
+            num_generations=2,
+            max_completion_length=4,
+            per_device_train_batch_size=2,
+            max_steps=1,
+            **{**CPU, "gradient_checkpointing": True},
+            gradient_checkpointing_kwargs={"use_reentrant": True},
+        ),
+        train_dataset=Dataset.from_dict({"prompt": math_dataset["prompt"][:4]}),
+        processing_class=tokenizer,
+        callbacks=[StateLoggingCallback(probe_prompts=math_dataset["prompt"][:2], probe_max_new_tokens=4)],
+    )
+    seen = []
+
+    class CheckpointingKwargs(TrainerCallback):  # after the step-0 probe, which runs on_train_begin
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(dict(model.model.layers[0]._gradient_checkpointing_func.keywords))
+
+    trainer.add_callback(CheckpointingKwargs())
+    trainer.train()
+    assert seen == [{"use_reentrant": True}]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,3 +70,33 @@ def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
     opd_states = read(tmp_path / "opd" / "statelens" / "states.jsonl")
     assert {state["rank"] for state in opd_states} == {0, 1}
     assert sum(state["num_supervised"] for state in opd_states) == sum(expected)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_zero3_opd_with_teacher_states_when_a_rank_draws_none(tmp_path, student_path):
+    """Every rank takes part in teacher generation (a ZeRO-3 collective) even on batches where it drew no teacher
+    row: the run finishes instead of waiting forever."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
+    command = [
+        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
+        "--main_process_port", str(free_port()), str(SCRIPT.parent / "opd_zero3_teacher_mix.py"), str(student_path),
+        str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = launch.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)  # the launcher and both ranks: they share its new session
+        _, stderr = launch.communicate()
+        pytest.fail(f"ZeRO-3 ranks deadlocked (no exit in 240 s): {stderr[-2000:]}")
+    assert launch.returncode == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:
+        assert (rank["world_size"], rank["zero_stage"], rank["global_step"]) == (2, 3, 2)
+        assert rank["teacher_engine"] == "DeepSpeedEngine"
+    # the case under test happened: a generation batch where one rank had teacher rows and the other none
+    assert any(min(pair) == 0 < max(pair) for pair in zip(ranks[0]["teacher_rows"], ranks[1]["teacher_rows"]))

@@ -72,7 +72,35 @@ def test_short_run_moves_the_student_toward_the_teacher(
 
 
 # ----- parity with TRL's DistillationTrainer ------------------------------------------------------------------------
-def test_divergence_beta1_matches_distillation_trainer_loss(tmp_path, student_path, math_trained_path, math_dataset):
+def _save_other_architecture(path, architecture, tokenizer, seed):
+    """A tiny random-init model of another family with the lab vocabulary: Gemma2 (final logit soft-capping, set
+    low so it matters) or Phi (an untied LM head with a bias, set non-zero so it matters)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=None)  # fmt: skip
+    if architecture == "gemma2":
+        model = Gemma2ForCausalLM(
+            Gemma2Config(**common, num_key_value_heads=2, head_dim=16, final_logit_softcapping=2.0)
+        )
+    else:
+        model = PhiForCausalLM(PhiConfig(**common, tie_word_embeddings=False))
+        assert model.lm_head.bias is not None
+        torch.nn.init.normal_(model.lm_head.bias, std=1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma2", "phi"])
+def test_divergence_beta1_matches_distillation_trainer_loss(
+    tmp_path, tokenizer, student_path, math_trained_path, math_dataset, architecture
+):
+    if architecture != "qwen3":
+        student_path = _save_other_architecture(tmp_path / "student", architecture, tokenizer, seed=0)
+        math_trained_path = _save_other_architecture(tmp_path / "teacher", architecture, tokenizer, seed=1)
     ours = OnPolicyDistillTrainer(
         model=str(student_path),
         teacher_model=str(math_trained_path),
@@ -237,3 +265,277 @@ def test_peft_student_with_gradient_accumulation_trains_only_the_adapter(
     assert any(not torch.equal(after[k], v) for k, v in lora_before.items())
     steps = [json.loads(line) for line in open(tmp_path / "statelens" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [1, 2] and all(s["supervised_tokens"] > 0 for s in steps)
+
+
+# ----- teachers as users give them: LoRA adapter folders, bf16 checkpoints, distributed loading ------------------------
+@pytest.fixture(scope="module")
+def lora_sft_path(tmp_path_factory, math_trained_path, math_dataset):
+    """What a LoRA SFT run leaves: `adapter_config.json`, adapter weights and the tokenizer, no full model."""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    from trl_statelens import StateLensSFTTrainer
+
+    out = tmp_path_factory.mktemp("lora_sft")
+    sft = StateLensSFTTrainer(
+        model=str(math_trained_path),
+        args=SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, **CPU),
+        train_dataset=math_dataset.select_columns(["prompt", "completion"]),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        state_logging=False,
+    )
+    sft.train()
+    sft.save_model(str(out))
+    assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    return out
+
+
+def test_lora_sft_output_is_a_teacher_merged_for_inference(tmp_path, lora_sft_path, math_trained_path, math_dataset):
+    from peft import PeftModel
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(lora_sft_path),
+        args=opd_config(tmp_path, max_steps=1),
+        train_dataset=math_dataset,
+    )
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    assert not isinstance(teacher, PeftModel) and not any("lora" in name for name, _ in teacher.named_parameters())
+    # base + adapter: the adapter's own outputs, and not the base model's
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(math_trained_path), lora_sft_path)
+    ids = trainer._tokenizer(math_dataset["prompt"][:2], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected, ours, untrained = (m(**ids).logits for m in (with_adapter.eval(), teacher, base.eval()))
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    assert (ours - untrained).abs().max() > 1e-2
+    trainer.train()
+    assert log_history(trainer, "teacher_kl")
+
+
+def test_bf16_teacher_checkpoint_stays_bf16(tmp_path, tokenizer, student_path, math_dataset):
+    path = tmp_path / "bf16_teacher"
+    build_model("test", tokenizer, seed=1).to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(path), args=opd_config(tmp_path / "run"), train_dataset=math_dataset
+    )
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}  # as TRL's DistillationTrainer loads it
+    from trl_statelens.opd_trainer import load_teacher
+
+    forced = opd_config(tmp_path / "run", teacher_model_init_kwargs={"dtype": "float32"})
+    assert {p.dtype for p in load_teacher(str(path), forced).parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("distributed_type, device_map", [("MULTI_GPU", None), ("DEEPSPEED", None), ("NO", "unset")])
+def test_teacher_device_map_under_distributed_training_is_none(
+    tmp_path, monkeypatch, teacher_path, distributed_type, device_map
+):
+    """TRL's trainers load with device_map=None under DDP and DeepSpeed: ZeRO-3 rejects a device map, and "auto"
+    would put every rank's teacher on the first GPU. Elsewhere TRL's default applies (no device_map passed)."""
+    from types import SimpleNamespace
+
+    import trl_statelens.opd_trainer as opd_trainer
+    from trl_statelens.opd_trainer import load_teacher
+
+    seen = {}
+    monkeypatch.setattr(opd_trainer, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
+    args = opd_config(tmp_path, teacher_model_init_kwargs={"device_map": "auto"} if device_map is None else None)
+    args.distributed_state = SimpleNamespace(distributed_type=distributed_type)
+    load_teacher(str(teacher_path), args)
+    assert seen.get("device_map", "unset") == device_map and seen["dtype"] == "auto"
+
+
+# ----- GRPO's settings: applied or refused, never silently ignored -----------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(beta=0.04), "beta=0.04: GRPO's KL penalty"),
+        (dict(loss_type="grpo"), "leave loss_type='dapo'"),
+        (dict(num_iterations=2), "Set num_iterations=1"),
+        (dict(gradient_accumulation_steps=1, steps_per_generation=2), "does not divide gradient_accumulation_steps"),
+    ],
+)
+def test_grpo_settings_opd_does_not_apply_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        opd_config(tmp_path, **kwargs)
+    if "steps_per_generation" in kwargs:  # supervision at given states has no sampled-token gradient: allowed
+        opd_config(tmp_path, signal="continuation", **kwargs)
+
+
+def test_command_line_json_for_dict_fields(tmp_path):
+    from trl import TrlParser
+
+    (args,) = TrlParser((OnPolicyDistillConfig,)).parse_args_and_config(
+        args=[
+            "--output_dir",
+            str(tmp_path),
+            "--use_cpu",
+            "true",
+            "--bf16",
+            "false",
+            "--state_source_mix",
+            '{"learner": 0.8, "teacher": 0.2}',
+            "--teacher_model_init_kwargs",
+            '{"dtype": "bfloat16"}',
+        ]  # fmt: skip
+    )
+    assert args.state_source_mix == {"learner": 0.8, "teacher": 0.2}
+    assert args.teacher_model_init_kwargs == {"dtype": "bfloat16"}
+
+
+def _prompts(math_dataset, n):
+    return [{"prompt": p, "completion": c} for p, c in zip(math_dataset["prompt"][:n], math_dataset["completion"])]
+
+
+def _student_logps(trainer, batch):
+    """The student's log-prob of every completion token of a generation batch, in one forward."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1)
+    )
+    return logps
+
+
+def _rows_per_call(module, seen):
+    """Record the batch size of every forward of `module` that is not a cached decoding step."""
+    return module.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["input_ids"].size(0)) if kwargs.get("use_cache") is False else None,
+        with_kwargs=True,
+    )
+
+
+def test_rollout_scoring_runs_no_unused_student_forward_and_chunks_the_teacher(
+    tmp_path, student_path, teacher_path, math_dataset
+):
+    """steps_per_generation=2 > GA=1 makes GRPO score the rollouts with the student (old log-probs for clipping),
+    which no OPD loss reads; the teacher scores the generation batch per_device_train_batch_size rows at a time."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, signal="divergence", per_device_train_batch_size=4, steps_per_generation=2),
+        train_dataset=math_dataset,
+    )
+    trainer.model.train()
+    student_rows, teacher_rows = [], []
+    _rows_per_call(trainer.model.get_decoder(), student_rows)
+    _rows_per_call(trainer.accelerator.unwrap_model(trainer.teacher_model).get_decoder(), teacher_rows)
+    trainer.args.signal = "reverse_kl"  # scores the rollouts with the teacher (the check above is at config time)
+    batch = trainer._generate_and_score_completions(_prompts(math_dataset, 4) * 2)
+    assert batch["completion_ids"].size(0) == 8 and "old_per_token_logps" not in batch
+    assert student_rows == [] and teacher_rows == [4, 4]
+
+
+@pytest.mark.parametrize("accumulation, steps_per_generation", [(1, 1), (1, 2), (2, 2), (2, 1), (4, 2), (1, 4)])
+def test_loss_is_the_token_mean_for_any_accumulation_and_generation_steps(
+    tmp_path, student_path, teacher_path, math_dataset, accumulation, steps_per_generation
+):
+    """GRPO's DAPO normalisation: summed over a generation batch's micro-batches, the losses make
+    steps_per_generation / GA optimizer steps' worth of the token mean (one step's worth per GA micro-batches)."""
+    from trl.trainer.utils import split_tensor_dict
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(
+            tmp_path,
+            signal="continuation",
+            continuation_length=4,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=accumulation,
+            steps_per_generation=steps_per_generation,
+        ),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = accumulation
+    batch = trainer._generate_and_score_completions(_prompts(math_dataset, steps_per_generation) * 2)
+    losses = [trainer._compute_loss(trainer.model, micro) for micro in split_tensor_dict(batch, steps_per_generation)]
+    logps = _student_logps(trainer, batch)
+    token_mean = -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    optimizer_steps = steps_per_generation / accumulation
+    torch.testing.assert_close(sum(losses) / optimizer_steps, token_mean, rtol=1e-5, atol=1e-6)
+
+
+# ----- vLLM: no generation_config, importance sampling ------------------------------------------------------------------
+def test_without_generation_config_teacher_and_probes_use_the_trainers_sampling_fields(
+    tmp_path, student_path, teacher_path, math_dataset
+):
+    """GRPO keeps no `generation_config` under vLLM: the teacher and the probes sample with the trainer's fields."""
+    from trl_statelens.callback import trainer_generation_config
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(
+            tmp_path,
+            signal="continuation",
+            continuation_length=4,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            min_p=0.05,
+            repetition_penalty=1.1,
+        ),
+        train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(probe_prompts=math_dataset["prompt"][:2], probe_steps=1)],
+    )
+    with_config = trainer.generation_config.to_dict()
+    del trainer.generation_config
+    built = trainer_generation_config(trainer).to_dict()
+    for key in ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                "eos_token_id", "pad_token_id"):  # fmt: skip
+        assert built[key] == with_config[key], key
+    callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StateLoggingCallback))
+    probe = callback._probe_generation_config(trainer.model)
+    assert (probe.temperature, probe.max_new_tokens) == (0.7, 16)
+    prompt_ids = trainer._tokenizer(math_dataset["prompt"][:2])["input_ids"]
+    continuations = trainer._teacher_generate(prompt_ids, 4)  # the continuation signal's teacher call
+    assert len(continuations) == 2 and all(0 < len(c) <= 4 for c in continuations)
+
+
+def test_vllm_importance_sampling_ratio_weights_the_reverse_kl_loss(
+    tmp_path, student_path, teacher_path, math_dataset
+):
+    """With vLLM, GRPO multiplies each token's policy-gradient term by the vLLM/trainer importance ratio; the
+    reverse_kl loss does too (simulated: vLLM is not installed here, the ratio is given in the batch)."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(_prompts(math_dataset, 4) * 2)
+    plain = trainer._compute_loss(trainer.model, batch)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    ratio = torch.rand_like(batch["completion_mask"], dtype=torch.float32)
+    corrected = trainer._compute_loss(trainer.model, {**batch, "importance_sampling_ratio": ratio})
+    mask, logps = batch["completion_mask"], _student_logps(trainer, batch)
+    # A_t = -(log p_S - log p_T), loss = -sum A_t * ratio_t * log p_S / N
+    expected = ((logps - batch["teacher_logps"]) * logps * mask * ratio).sum() / mask.sum()
+    torch.testing.assert_close(corrected.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(corrected, plain)
+
+
+# ----- tool outputs are not supervised -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("signal", ["reverse_kl", "continuation", "divergence"])
+def test_tool_mask_removes_tokens_from_the_loss(tmp_path, student_path, teacher_path, math_dataset, signal):
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, signal=signal, continuation_length=4),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(_prompts(math_dataset, 4) * 2)
+    full = trainer._compute_loss(trainer.model, batch)
+    tool_mask = torch.ones_like(batch["completion_mask"])
+    assert trainer._compute_loss(trainer.model, {**batch, "tool_mask": tool_mask}).item() == pytest.approx(full.item())
+    tool_mask[:, :] = 0  # every completion token came from a tool
+    assert trainer._compute_loss(trainer.model, {**batch, "tool_mask": tool_mask}).item() == 0.0

@@ -146,3 +146,34 @@ def test_nothing_is_kept_before_recording_starts_and_bad_input_raises(tokenizer)
         recorder._record_states(
             torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), "human"
         )
+
+
+class NoFloat64Tensor(torch.Tensor):
+    """A tensor that behaves like one on Apple MPS, which has no float64: converting it to float64 raises, and
+    `.cpu()` gives an ordinary CPU tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.Tensor.cpu:
+            return out.as_subclass(torch.Tensor)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+            raise TypeError(
+                "Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64"
+            )
+        return out
+
+
+def test_aggregation_runs_on_the_cpu_not_in_float64_on_the_device():
+    n = 6
+    columns = dict(
+        rank=torch.zeros(n, dtype=torch.long), sequence=torch.tensor([0, 0, 0, 1, 1, 1]),
+        prefix_len=torch.tensor([0, 1, 2, 0, 1, 2]), source=torch.ones(n, dtype=torch.long),
+        logp=-torch.rand(n), entropy=torch.rand(n), teacher_logp=-torch.rand(n), weight=torch.randn(n),
+    )  # fmt: skip
+    on_cpu = StateRecords(**columns)
+    on_device = StateRecords(**{name: value.as_subclass(NoFloat64Tensor) for name, value in columns.items()})
+    with pytest.raises(TypeError, match="float64"):  # the stand-in device really refuses float64
+        on_device.logp.double()
+    assert aggregate_states(on_device) == pytest.approx(aggregate_states(on_cpu))
+    assert prefix_len_histogram(on_device) == prefix_len_histogram(on_cpu) == [2, 4]

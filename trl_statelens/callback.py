@@ -178,10 +178,8 @@ class StateLoggingCallback(TrainerCallback):
 
     def _probe_generation_config(self, model) -> GenerationConfig:
         """The trainer's sampling settings when it has them (GRPO-like trainers), else the model's, with sampling."""
-        trainer_config = getattr(self.trainer, "generation_config", None)
-        if trainer_config is not None:
-            config = GenerationConfig.from_dict(trainer_config.to_dict())
-        else:
+        config = trainer_generation_config(self.trainer)
+        if config is None:
             config = GenerationConfig.from_dict(model.generation_config.to_dict())
             config.do_sample = True
             config.max_new_tokens = DEFAULT_PROBE_MAX_NEW_TOKENS
@@ -210,6 +208,7 @@ class StateLoggingCallback(TrainerCallback):
                 trainer.model_wrapped,
                 trainer.accelerator,
                 generation_kwargs=getattr(trainer, "generation_kwargs", None),
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,  # re-enabled as it was
             ) as model,
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
         ):
@@ -219,6 +218,34 @@ class StateLoggingCallback(TrainerCallback):
             output = model.generate(**inputs, generation_config=self._probe_generation_config(model))
             model.train(was_training)
         return tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
+
+
+def trainer_generation_config(trainer) -> GenerationConfig | None:
+    """A copy of the sampling settings a GRPO-like trainer generates with; `None` for a trainer that does not sample.
+
+    With `use_vllm=True` GRPO keeps no `generation_config`: the same settings are then built from the trainer's own
+    fields (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length, eos and pad tokens), the
+    ones GRPO builds its `generate` settings from.
+    """
+    config = getattr(trainer, "generation_config", None)
+    if config is not None:
+        return GenerationConfig.from_dict(config.to_dict())
+    if getattr(trainer, "max_completion_length", None) is None or getattr(trainer, "temperature", None) is None:
+        return None
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return GenerationConfig(
+        max_new_tokens=trainer.max_completion_length,
+        do_sample=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=getattr(trainer, "eos_token_ids", tokenizer.eos_token_id),
+        temperature=trainer.temperature,
+        top_p=getattr(trainer, "top_p", 1.0),
+        top_k=getattr(trainer, "top_k", 0),
+        min_p=getattr(trainer, "min_p", None),
+        repetition_penalty=getattr(trainer, "repetition_penalty", 1.0),
+        disable_compile=True,
+    )
 
 
 def attach_state_logging(trainer, state_logging: bool = True) -> None:

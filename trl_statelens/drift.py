@@ -2,7 +2,9 @@
 
 A *state* is a prompt plus the prefix of an answer. Probe drift (see
 :class:`~trl_statelens.callback.StateLoggingCallback`) samples the policy on fixed probe prompts, cuts every
-completion into its word prefixes and compares their features with those of the same probes at step 0:
+completion into its word prefixes and compares their features with those of the same probes at step 0. The
+featurized texts are the answer prefixes alone, without their prompts: the probe prompts are the same at every
+measurement, so they would only add the same n-grams to both sets.
 
 - :func:`featurize`: L2-normalised hashed word n-gram counts of each prefix text (lightweight, model-free, so drift
   measures what the policy writes, not how some encoder sees it);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -18,7 +19,15 @@ class OnPolicyDistillConfig(GRPOConfig):
     Configuration class for [`OnPolicyDistillTrainer`]: the student samples, a teacher supervises the states.
 
     It extends [`~trl.GRPOConfig`] (generation, batching, `use_vllm`, logging: all fields keep their meaning) with
-    the fields below. Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the
+    the fields below. GRPO's policy-loss settings do not apply: the teacher, not a reference model, is what the student
+    is pulled toward, and the loss is a token mean over the generation batch as GRPO's `"dapo"`. So `beta` must stay
+    `0.0` (no reference model is loaded), `loss_type` `"dapo"` and `num_iterations` `1`; with `signal="reverse_kl"`,
+    `steps_per_generation` must divide `gradient_accumulation_steps` (each rollout trains the policy that sampled it:
+    there is no clipped importance ratio to correct staleness, so `epsilon` and friends never act). The teacher
+    scores the generation batch in chunks of `per_device_train_batch_size` rows (`per_device_eval_batch_size` in
+    evaluation), as GRPO scores its reference model. With vLLM, the `reverse_kl` loss applies GRPO's vLLM
+    importance-sampling correction (`vllm_importance_sampling_correction`); `continuation` (teacher-written tokens)
+    and `divergence` (full-vocabulary, as TRL's `DistillationTrainer`) have no sampled-token gradient to correct. Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the
     student and $p_T$ the teacher.
 
     Parameters:
@@ -45,34 +54,41 @@ class OnPolicyDistillConfig(GRPOConfig):
             Tokens the teacher writes from each cut point with `signal="continuation"`.
         jsd_beta (`float`, *optional*, defaults to `1.0`):
             Interpolation of the generalised JSD with `signal="divergence"`: `0.0` forward KL, `1.0` reverse KL.
-            (GRPO's own `beta` stays the KL coefficient against a reference model.)
-        state_source_mix (`dict[str, float]`, *optional*):
+            (GRPO's own `beta`, the KL coefficient against a reference model, must stay `0.0`: see above.)
+        state_source_mix (`dict[str, float]` or `str`, *optional*):
             Per-sample probabilities of where a rollout's states come from: `"learner"` (the student's own rollout),
             `"dataset"` (the reference answer in `reference_column`, teacher-forced) or `"teacher"` (the teacher's
-            own rollout). Every sample is supervised with the same `signal`. Defaults to `{"learner": 1.0}`.
+            own rollout). Every sample is supervised with the same `signal`. Defaults to `{"learner": 1.0}`. On the
+            command line, a JSON string: `--state_source_mix '{"learner": 0.8, "teacher": 0.2}'`.
         reference_column (`str`, *optional*, defaults to `"completion"`):
             Dataset column with the reference answer used by the `"dataset"` state source.
         reward_weight (`float`, *optional*, defaults to `0.0`):
             Weight of GRPO's group-normalised reward advantage (from `reward_funcs`) added to the `reverse_kl`
             advantage. `0` ignores rewards (they are still computed and logged when reward functions are given).
-        teacher_model_init_kwargs (`dict[str, Any]`, *optional*):
-            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is given as a path or hub id.
+        teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
+            Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
+            command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
     """
 
     signal: str = field(default="reverse_kl", metadata={"help": f"One of {SIGNALS}."})
     kl_discount: float = field(default=0.0, metadata={"help": "Discount of future reverse KL in the advantage."})
     continuation_length: int = field(default=16, metadata={"help": "Teacher tokens written per cut point."})
     jsd_beta: float = field(default=1.0, metadata={"help": "Generalised JSD interpolation for `divergence`."})
-    state_source_mix: dict | None = field(
+    state_source_mix: dict | str | None = field(
         default=None, metadata={"help": 'Per-sample state sources, e.g. {"learner": 0.8, "dataset": 0.2}.'}
     )
     reference_column: str = field(default="completion", metadata={"help": "Reference answers for `dataset`."})
     reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
-    teacher_model_init_kwargs: dict | None = field(
+    teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
     )
 
+    # JSON strings from the command line become dicts in `TrainingArguments.__post_init__`, as TRL's dict fields do
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["state_source_mix", "teacher_model_init_kwargs"]
+
     def __post_init__(self):
+        if isinstance(self.state_source_mix, str):  # parsed early: it is checked before GRPO's own checks
+            self.state_source_mix = json.loads(self.state_source_mix)
         if self.signal not in SIGNALS:
             raise ValueError(f"signal={self.signal!r} is not one of {SIGNALS}")
         if self.continuation_length <= 0:
@@ -93,7 +109,31 @@ class OnPolicyDistillConfig(GRPOConfig):
                 f"(sum {sum(mix.values()):.4f})"
             )
         self.state_source_mix = mix
+        if self.beta != 0.0:
+            raise ValueError(
+                f"beta={self.beta}: GRPO's KL penalty against a reference model is not used by on-policy distillation "
+                "(the teacher is the target; the loss would ignore it and a reference model would be loaded for "
+                "nothing). Set beta=0.0; to stay closer to the start, lower the learning rate or use LoRA"
+            )
+        if self.loss_type != "dapo":
+            raise ValueError(
+                f"loss_type={self.loss_type!r}: on-policy distillation normalises its loss as GRPO's 'dapo' (a token "
+                "mean over the generation batch) and has no other GRPO loss; leave loss_type='dapo'"
+            )
+        if self.num_iterations != 1:
+            raise ValueError(
+                f"num_iterations={self.num_iterations}: on-policy distillation trains on each rollout once; reusing "
+                "rollouts needs GRPO's clipped importance ratios, which its losses do not have. Set num_iterations=1"
+            )
         super().__post_init__()
+        if self.signal == "reverse_kl" and self.gradient_accumulation_steps % self.steps_per_generation != 0:
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} does not divide gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}: later optimizer steps would take a reverse_kl policy gradient on "
+                "rollouts an older policy sampled, which GRPO corrects with clipped importance ratios and on-policy "
+                "distillation does not. Make steps_per_generation divide gradient_accumulation_steps, or use "
+                "signal='continuation' or 'divergence' (supervision at given states, no sampled-token gradient)"
+            )
 
     def to_distillation_config(self) -> DistillationConfig:
         """The same run for TRL's stock `DistillationTrainer`: every shared field copied, `beta` = `jsd_beta`.

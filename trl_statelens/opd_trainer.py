@@ -7,13 +7,12 @@ supervised (`state_source_mix`) and what the teacher says there (`signal`), and 
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
+from transformers.utils.peft_utils import find_adapter_config_file
 from trl.kernels import ChunkedLogProbFunction
 from trl.kernels.chunked_logprob import _use_triton
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
@@ -26,6 +25,7 @@ from trl.trainer.utils import (
     pad,
 )
 
+from .callback import trainer_generation_config
 from .grpo_trainer import StateLensGRPOTrainer
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
@@ -91,7 +91,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             raise ValueError("OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id)")
         if isinstance(teacher_model, str):
             teacher_path = teacher_model
-            teacher_model = create_model_from_path(teacher_model, **(args.teacher_model_init_kwargs or {}))
+            teacher_model = load_teacher(teacher_model, args)
         else:
             teacher_path = None
             if args.teacher_model_init_kwargs is not None:
@@ -119,6 +119,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         else:
             self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
         self._forward_redirection = _ForwardRedirection()
+        if self.use_vllm and args.signal != "reverse_kl":
+            # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
+            # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)
+            self.vllm_importance_sampling_correction = False
+        self._scoring_rollouts = False
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
@@ -128,7 +133,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         draws = torch.multinomial(self._source_probs, len(inputs), replacement=True, generator=self._source_generator)
         self._row_sources = [MIX_SOURCES[i] for i in draws.tolist()]
         self._row_references = [row.get(self.args.reference_column) for row in inputs]
-        output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
+        self._scoring_rollouts = True
+        try:
+            output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
+        finally:
+            self._scoring_rollouts = False
         device = output["completion_ids"].device
         output["row_source"] = torch.tensor([source_code(s) for s in self._row_sources], device=device)
         if self.args.signal == "continuation":
@@ -142,18 +151,27 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             prompts
         )
         swap = [i for i, s in enumerate(self._row_sources) if s != "learner"]
+        teacher_rows = [i for i in swap if self._row_sources[i] == "teacher"]
+        replacement = {}
+        # Sources are drawn per rank, but teacher generation is collective under ZeRO-3 (parameter gathers, synced
+        # decoding steps): when any rank has teacher rows, every rank generates, a rank without any on a stand-in row
+        # whose rollout it drops
+        if self._any_rank_has(teacher_rows):
+            prefixes = [prompt_ids[i] for i in teacher_rows] or prompt_ids[:1]
+            rollouts = self._teacher_generate(prefixes, self.max_completion_length)
+            replacement = dict(zip(teacher_rows, rollouts))
         if swap:
-            teacher_rows = [i for i in swap if self._row_sources[i] == "teacher"]
-            teacher_rollouts = self._teacher_generate(
-                [prompt_ids[i] for i in teacher_rows], self.max_completion_length
-            )
-            replacement = dict(zip(teacher_rows, teacher_rollouts))
             for i in swap:
                 ids = replacement[i] if i in replacement else self._reference_ids(self._row_references[i])
                 completion_ids[i] = ids
                 text = self._tokenizer.decode(ids, skip_special_tokens=True)
                 completions[i] = [{"role": "assistant", "content": text}] if isinstance(prompts[i], list) else text
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
+
+    def _any_rank_has(self, rows: list) -> bool:
+        if self.accelerator.num_processes == 1:
+            return bool(rows)
+        return self.accelerator.gather(torch.tensor([len(rows)], device=self.accelerator.device)).sum().item() > 0
 
     def _reference_ids(self, reference) -> list[int]:
         """The dataset's reference answer as completion tokens, ended by eos like a finished rollout."""
@@ -163,15 +181,16 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
     @torch.no_grad()
     def _teacher_generate(self, prefixes: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Teacher samples `max_new_tokens` from each token prefix, with the student's sampling settings; each
-        continuation ends at (and includes) its first eos."""
+        """Teacher samples `max_new_tokens` from each token prefix, with the student's sampling settings (GRPO's own,
+        or built from its fields under vLLM, where GRPO keeps no `generation_config`); each continuation ends at (and
+        includes) its first eos."""
         if not prefixes:
             return []
         device = self.accelerator.device
         rows = [torch.tensor(p, dtype=torch.long) for p in prefixes]
         input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
-        generation_config = copy.deepcopy(self.generation_config)
+        generation_config = trainer_generation_config(self)
         generation_config.max_new_tokens = max_new_tokens
         with unwrap_model_for_generation(
             self.teacher_model, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
@@ -221,11 +240,14 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
     @torch.no_grad()
     def _teacher_logps(self, output: dict) -> torch.Tensor:
-        """Teacher log-prob of every completion token, `(B, T)`, through the teacher's fused LM head."""
+        """Teacher log-prob of every completion token, `(B, T)`, through the teacher's fused LM head, in chunks of
+        the per-device batch size (as GRPO scores its reference model)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         logps, _, _ = self._get_per_token_logps_and_entropies(
-            self.teacher_model, input_ids, attention_mask, output["completion_ids"].size(1)
+            self.teacher_model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
         )
         return logps
 
@@ -237,16 +259,27 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
         On devices without Triton (CPU) TRL's fused LM head projects every position, the prompt's too, though only
         the completion is scored; at a large vocabulary that projection and its recomputation in the backward are
-        most of the step (see BENCHMARKS.md). Same kernel, same values. Triton devices (where TRL's head already
-        skips unscored positions), multimodal or MoE calls, and heads that scale, soft-cap or upcast their logits
-        keep TRL's path."""
+        most of the step (see BENCHMARKS.md). Same kernel, same values (LM-head bias, logit scale and final
+        soft-capping included). Triton devices (where TRL's head already skips unscored positions), multimodal or MoE
+        calls, heads that upcast their logits and tensor-parallel heads keep TRL's path.
+
+        While GRPO scores freshly sampled rollouts with the student (its old log-probs, for clipped importance ratios
+        when `steps_per_generation` does not divide `gradient_accumulation_steps`), no forward runs and `None` is
+        returned: no OPD loss reads them. The one exception is the vLLM importance-sampling correction of `reverse_kl`.
+        """
+        if (
+            self._scoring_rollouts
+            and model is self.model
+            and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        ):
+            return None, None, None
         unwrapped = self.accelerator.unwrap_model(model)
         if (
             kwargs.get("compute_aux_loss")
             or any(value is not None for key, value in kwargs.items() if key != "compute_aux_loss")
             or self.args.cast_lm_head_to_fp32
             or _use_triton(input_ids.device)  # there TRL's head already projects the scored positions only
-            or not _plain_lm_head(unwrapped)
+            or isinstance(unwrapped.get_output_embeddings().weight, DTensor)
         ):
             return super()._get_per_token_logps_and_entropies(
                 model,
@@ -289,9 +322,17 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         num_completion = completion_ids.size(1)
         loss_mask = inputs.get("loss_mask", completion_mask).float()
+        if "tool_mask" in inputs:  # tool and environment outputs are not the model's tokens: never supervised
+            loss_mask = loss_mask * inputs["tool_mask"]
         token_source = inputs.get("token_source", inputs["row_source"][:, None].expand_as(completion_ids))
-        # Token-mean over the whole generation batch (all processes and accumulation steps), as GRPO's DAPO loss
+        # Token mean over one optimizer step, as GRPO's DAPO loss: `num_items_in_batch` counts the whole generation
+        # batch (all processes), which spans steps_per_generation micro-batches, of which one step accumulates
+        # gradient_accumulation_steps
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if self.model.training:
+            # (the Trainer sets current_gradient_accumulation_steps in its loop; the last window of an epoch is shorter)
+            accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            normalizer = normalizer * accumulation / self.args.steps_per_generation
 
         if self.args.signal == "divergence":
             unwrapped = self.accelerator.unwrap_model(model)
@@ -317,7 +358,10 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 weights = self._reverse_kl_advantages(logps.detach(), teacher_logps, loss_mask)
                 if self.args.reward_weight:
                     weights = weights + self.args.reward_weight * inputs["advantages"][:, None] * loss_mask
-                loss = -(weights * logps * loss_mask).sum() / normalizer
+                per_token_loss = -weights * logps * loss_mask
+                if self.use_vllm and self.vllm_importance_sampling_correction:  # as GRPO: vLLM sampled the tokens
+                    per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+                loss = per_token_loss.sum() / normalizer
             else:  # continuation: cross-entropy on the teacher's tokens
                 weights = 1.0
                 loss = -(logps * loss_mask).sum() / normalizer
@@ -367,21 +411,30 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 attention_mask,
                 num_completion,
             )
-        student_head = unwrapped.get_output_embeddings().weight
-        teacher_head = unwrapped_teacher.get_output_embeddings().weight
-        loss, _, _ = _chunked_divergence_loss(
+        student_head, teacher_head = unwrapped.get_output_embeddings(), unwrapped_teacher.get_output_embeddings()
+        (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
+            _logit_post_processing, (unwrapped, unwrapped_teacher)
+        )
+        loss, _, _ = _chunked_divergence_loss(  # gathers ZeRO-3-sharded heads itself
             student_hidden,
             teacher_hidden,
-            student_head,
-            teacher_head,
+            student_head.weight,
+            teacher_head.weight,
             loss_mask,
             beta=self.args.jsd_beta,
             num_items_in_batch=normalizer,
+            student_lm_head_bias=student_head.bias,
+            teacher_lm_head_bias=teacher_head.bias,
+            student_logit_scale=student_scale,
+            teacher_logit_scale=teacher_scale,
+            student_final_logit_softcapping=student_softcap,
+            teacher_final_logit_softcapping=teacher_softcap,
             temperature=self.temperature,
         )
         tokens = input_ids[:, -num_completion:]
-        logps, entropies = _token_logps_and_entropy(student_hidden.detach(), student_head, tokens, self.temperature)
-        teacher_logps, _ = _token_logps_and_entropy(teacher_hidden, teacher_head, tokens, self.temperature)
+        with torch.no_grad():
+            logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
+            teacher_logps, _ = _head_logps(unwrapped_teacher, teacher_hidden, tokens, self.temperature, False)
         return loss, logps, entropies, teacher_logps
 
     def _log_teacher_metrics(self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source):
@@ -414,23 +467,24 @@ def _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_co
     return hidden[:, -num_completion - 1 : -1]
 
 
-def _plain_lm_head(unwrapped_model) -> bool:
-    """Whether the model's logits are just `hidden @ head.T` (plus bias): no scale, no soft-cap, no sharded head."""
+def _logit_post_processing(unwrapped_model) -> tuple[float, float | None]:
+    """The logit scale and final soft-cap the model applies after its LM head, read from its config under the names
+    TRL's fused head and `DistillationTrainer` read (`logit_scale`, `output_multiplier`, `lm_head_multiplier`, or
+    `logits_scaling`, a divisor except for HyperCLOVA X)."""
     config = unwrapped_model.config.get_text_config()
-    scales = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in scales):
-        return False
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return False
-    return not isinstance(unwrapped_model.get_output_embeddings().weight, DTensor)
+    names = ("logit_scale", "output_multiplier", "lm_head_multiplier")
+    scale = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
+    return (1.0 if scale is None else scale), getattr(config, "final_logit_softcapping", None)
 
 
-def _completion_logps_and_entropies(unwrapped_model, input_ids, attention_mask, num_completion, temperature, entropy):
-    """Log-prob of each completion token and (if `entropy`) the entropy at its state, `(B, T)`, with TRL's chunked
-    kernel on the completion positions only; 0 at padding, as TRL's fused head gives."""
-    hidden = _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_completion)
-    tokens = input_ids[:, -num_completion:]
+def _head_logps(unwrapped_model, hidden, tokens, temperature, entropy):
+    """Log-prob of `tokens` (and, if `entropy`, the entropy of the next-token distribution) from final hidden states
+    `(B, T, H)`, with TRL's chunked kernel: the model's LM-head bias, logit scale and soft-cap applied, a ZeRO-3-sharded
+    head gathered, and at most `VOCAB_CHUNK` vocabulary columns projected at a time."""
     head = unwrapped_model.get_output_embeddings()
+    scale, softcap = _logit_post_processing(unwrapped_model)
     with maybe_gather_lm_head_ctx(head.weight, head.bias):
         logps, entropies, *_ = ChunkedLogProbFunction.apply(
             hidden.reshape(-1, hidden.size(-1)).to(head.weight.device),
@@ -439,27 +493,49 @@ def _completion_logps_and_entropies(unwrapped_model, input_ids, attention_mask, 
             tokens.reshape(-1).to(head.weight.device),
             temperature,
             VOCAB_CHUNK,
-            None,
-            1.0,
+            softcap,
+            scale,
             ("log_probs", "entropy") if entropy else ("log_probs",),
         )
+    return logps.view_as(tokens), None if entropies is None else entropies.view_as(tokens)
+
+
+def _completion_logps_and_entropies(unwrapped_model, input_ids, attention_mask, num_completion, temperature, entropy):
+    """Log-prob of each completion token and (if `entropy`) the entropy at its state, `(B, T)`, projecting the
+    completion positions only; 0 at padding, as TRL's fused head gives."""
+    hidden = _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_completion)
+    logps, entropies = _head_logps(unwrapped_model, hidden, input_ids[:, -num_completion:], temperature, entropy)
     padding = attention_mask[:, -num_completion:] == 0
-    logps = logps.view_as(tokens).masked_fill(padding, 0.0)
-    return logps, None if entropies is None else entropies.view_as(tokens).masked_fill(padding, 0.0)
+    return logps.masked_fill(padding, 0.0), None if entropies is None else entropies.masked_fill(padding, 0.0)
 
 
-@torch.no_grad()
-def _token_logps_and_entropy(hidden, head_weight, tokens, temperature, chunk_size: int = 1024):
-    """Log-prob of `tokens` and entropy of the next-token distribution from hidden states, projecting at most
-    `chunk_size` positions onto the vocabulary at a time."""
-    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.size(-1)), tokens.reshape(-1)
-    logps, entropies = [], []
-    for start in range(0, flat_hidden.size(0), chunk_size):
-        logits = (flat_hidden[start : start + chunk_size] @ head_weight.T).float() / temperature
-        log_probs = logits.log_softmax(-1)
-        logps.append(log_probs.gather(-1, flat_tokens[start : start + chunk_size, None]).squeeze(-1))
-        entropies.append(-(log_probs.exp() * log_probs).sum(-1))
-    return torch.cat(logps).view_as(tokens), torch.cat(entropies).view_as(tokens)
+def load_teacher(name_or_path: str, args) -> PreTrainedModel:
+    """Load a teacher given by path or hub id as TRL's trainers load theirs, for inference.
+
+    `args.teacher_model_init_kwargs` go to `from_pretrained`; the dtype defaults to `"auto"` (a bf16 checkpoint
+    stays bf16, as in TRL's `DistillationTrainer`) and, under multi-GPU DDP or DeepSpeed, `device_map` is `None` (as
+    TRL's GRPO/Distillation trainers set it: ZeRO-3 rejects a device map and "auto" would put every rank's copy on
+    the first GPU). A PEFT adapter folder (`adapter_config.json` plus adapter weights, what a LoRA SFT run saves)
+    is loaded as its base model plus the adapter, merged: the teacher only runs inference.
+
+    `args` is an [`OnPolicyDistillConfig`] or TRL's `DistillationConfig` (the recipes' stock arm loads its teacher
+    here too, so both arms accept the same teacher folders).
+    """
+    kwargs = dict(args.teacher_model_init_kwargs or {})
+    kwargs.setdefault("dtype", "auto")
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        kwargs["device_map"] = None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if find_adapter_config_file(name_or_path, revision=kwargs.get("revision")) is None:
+        return create_model_from_path(name_or_path, **kwargs)
+    from peft import PeftConfig, PeftModel
+
+    revision = kwargs.pop("revision", None)  # the adapter's revision; its base model's is in adapter_config.json
+    adapter = PeftConfig.from_pretrained(name_or_path, revision=revision)
+    if adapter.revision is not None:
+        kwargs["revision"] = adapter.revision
+    base = create_model_from_path(adapter.base_model_name_or_path, **kwargs)
+    return PeftModel.from_pretrained(base, name_or_path, revision=revision).merge_and_unload()
 
 
 def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:

@@ -70,6 +70,10 @@ class StateRecords:
         columns = {name: torch.cat([getattr(part, name) for part in parts]) for name in TOKEN_FIELDS}
         return cls(**columns, samples=[sample for part in parts for sample in part.samples])
 
+    def cpu(self) -> StateRecords:
+        """The same records with every column on the CPU."""
+        return StateRecords(**{name: getattr(self, name).cpu() for name in TOKEN_FIELDS}, samples=self.samples)
+
     def gather(self, accelerator) -> StateRecords:
         """The records of every rank, on every rank (a no-op with one process).
 
@@ -98,8 +102,10 @@ def aggregate_states(records: StateRecords) -> dict[str, float]:
     ``supervised_tokens`` and ``sequences`` are always there; the rest only when the step supervised any token.
     ``teacher_nll`` and ``teacher_kl`` (the sampled reverse KL, ``log p_student - log p_teacher``) are means over the
     tokens the learner sampled itself that have a teacher log-prob: on tokens the teacher wrote, that difference is
-    not an estimate of any KL. All reductions are tensor ops and the values leave the device with a single ``tolist``.
+    not an estimate of any KL. The records move to the CPU once and are reduced there in float64 (some devices, such
+    as Apple MPS, have no float64).
     """
+    records = records.cpu()
     num_tokens = len(records)
     num_sequences = torch.unique(records.rank * (records.sequence.max() + 1 if num_tokens else 1) + records.sequence)
     metrics = {"supervised_tokens": float(num_tokens), "sequences": float(num_sequences.numel())}
@@ -134,7 +140,7 @@ def prefix_len_histogram(records: StateRecords) -> list[int]:
     """Supervised tokens per prefix-length bin; bin ``k`` holds prefix lengths in ``[2**k - 1, 2**(k+1) - 1)``."""
     if len(records) == 0:
         return []
-    bins = torch.log2(records.prefix_len.double() + 1).floor().long()
+    bins = torch.log2(records.prefix_len.cpu().double() + 1).floor().long()
     return torch.bincount(bins).tolist()
 
 

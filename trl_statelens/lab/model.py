@@ -27,20 +27,24 @@ def build_qwen3(
     ffn: int,
     vocab_size: int | None = None,
     seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
 ) -> Qwen3ForCausalLM:
     """A randomly initialised Qwen3 of any width with ``tokenizer``'s special ids (the benchmarks' models too).
 
     ``vocab_size`` defaults to the tokenizer's. A larger one is allowed: ids past the tokenizer only need to decode (to
-    nothing), and full-vocabulary losses and projections pay for every row of the embedding."""
+    nothing), and full-vocabulary losses and projections pay for every row of the embedding. ``heads`` query and
+    ``kv_heads`` key/value heads of width ``head_dim`` (default ``hidden // heads``); Qwen3-0.6B has 16, 8 and 128."""
     eos_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     config = Qwen3Config(
         vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,  # Qwen3Config defaults to 128, far too wide for these models
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,  # Qwen3Config defaults to 128, far too wide for the lab's models
         max_position_embeddings=tokenizer.model_max_length,
         tie_word_embeddings=True,
         bos_token_id=None,
