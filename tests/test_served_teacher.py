@@ -234,6 +234,19 @@ def test_divergence_and_other_temperatures_are_rejected_with_a_server(tmp_path):
         opd_config(tmp_path, temperature=0.7, teacher_model_server_url="http://127.0.0.1:8000")
 
 
+def test_a_teacher_instance_with_a_server_is_refused(tmp_path, student_path, tokenizer, math_dataset):
+    from trl_statelens.lab import build_model
+
+    args = opd_config(tmp_path, teacher_model_server_url="http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="must not be a model instance"):
+        OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=build_model("test", tokenizer),
+            args=args,
+            train_dataset=math_dataset,
+        )
+
+
 def test_unreachable_server_fails_before_training(tmp_path, student_path, math_dataset):
     args = opd_config(tmp_path, teacher_model_server_url=f"http://127.0.0.1:{free_port()}", teacher_server_timeout=0.5)
     with pytest.raises(TeacherServerError, match="cannot connect"):
