@@ -6,12 +6,14 @@ score is checked against a known answer or against the lab's own scorers.
 
 import argparse
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from trl_statelens.answers import extract_answer, lm_eval_exact_match, lm_eval_extract
 from trl_statelens.evaluation import (
     GSM8KTask,
     MMLUTask,
@@ -29,7 +31,8 @@ from trl_statelens.evaluation import (
 )
 from trl_statelens.lab import LabWorld, build_model, lab_info, score_math, score_multiple_choice
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data from the project root; STATELENS_SHARED_DATA points elsewhere (a git worktree, a CI cache).
+SHARED_DATA = Path(os.environ.get("STATELENS_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 # ----- stubs ------------------------------------------------------------------------------------------------------
@@ -340,15 +343,15 @@ def test_evaluate_model_writes_results_and_items(tmp_path, lab_tokenizer, tiny_m
         ["truthfulqa", "mmlu"],
         tokenizer=lab_tokenizer,
         data_dir="lab",
-        limit={"truthfulqa": 3, "mmlu": 5},
+        limit={"truthfulqa": 8, "mmlu": 9},  # subsets where this random model scores above 0
         out=out,
         progress=False,
     )
     saved = json.loads(out.read_text())
     assert saved["scores"] == results["scores"] and set(saved["scores"]) == {"truthfulqa", "mmlu"}
-    assert saved["settings"]["mmlu"]["scoring"] == "continuation" and saved["settings"]["mmlu"]["limit"] == 5
+    assert saved["settings"]["mmlu"]["scoring"] == "continuation" and saved["settings"]["mmlu"]["limit"] == 9
     items = [json.loads(line) for line in (tmp_path / "results" / "base.items.jsonl").read_text().splitlines()]
-    assert [i["task"] for i in items] == ["truthfulqa"] * 3 + ["mmlu"] * 5
+    assert [i["task"] for i in items] == ["truthfulqa"] * 8 + ["mmlu"] * 9
     assert retention_summary(saved, results) == {"forgetting": 0.0, "retention": 1.0}
 
 
@@ -362,7 +365,7 @@ def test_eval_cli_on_a_saved_model(tmp_path, student_path, capsys):
         "--data-dir",
         "lab",
         "--limit",
-        "3",
+        "8",
         "--max-new-tokens",
         "8",
         "--out",
@@ -413,7 +416,7 @@ def test_retention_callback_logs_through_a_real_trainer(tmp_path, lab_tokenizer)
 def test_retention_callback_without_trainer_appends_to_log_history(lab_tokenizer, tiny_model):
     from transformers import TrainerControl, TrainerState
 
-    callback = RetentionEvalCallback(["mmlu"], eval_steps=5, data_dir="lab", limit=4)
+    callback = RetentionEvalCallback(["mmlu"], eval_steps=5, data_dir="lab", limit=8)
     state, control = TrainerState(), TrainerControl()
     tiny_model.train()
     callback.on_train_begin(None, state, control, model=tiny_model, processing_class=lab_tokenizer)
@@ -454,3 +457,183 @@ def test_lab_base_model_matches_lab_scorers_and_retains_above_chance():
         model, tokenizer, [kb_rows[r["question"]] for r in results["records"]["mmlu"]]
     )
     assert results["scores"]["truthfulqa"] > 0.25 and results["scores"]["mmlu"] > 0.25  # chance: 4 choices
+
+
+# ----- protocols ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "output, strict, flexible, ours_strict",
+    [
+        ("She pays $18 every day.\n#### 18", "18", "18", "18"),
+        ("#### 18.00", "18.00", "18.00", "18"),  # lm-eval: "18.00" != "18"; ours: the same number
+        ("####18", "[invalid]", "18", "18"),  # lm-eval's strict filter wants exactly one space
+        ("#### $18", "[invalid]", "$18", "18"),
+        ("####  18", "[invalid]", "18", "18"),
+        ("#### -18", "-18", "-18", "-18"),
+        ("#### 1,800", "1,800", "1,800", "1800"),
+        ("#### 18\n#### 19", "18", "19", "18"),  # strict: the first; flexible: the last
+        ("The answer is $1,234.50.", "[invalid]", "$1,234.50.", None),
+        ("x = 5, so 5.", "[invalid]", "5.", None),
+        ("no digits", "[invalid]", "[invalid]", None),
+    ],
+)
+def test_lm_eval_filters_on_tricky_outputs(output, strict, flexible, ours_strict):
+    assert lm_eval_extract(output, "strict") == strict and lm_eval_extract(output, "flexible") == flexible
+    assert extract_answer(output, "strict") == ours_strict
+
+
+def test_lm_eval_exact_match_ignores_commas_dollars_a_final_period_and_the_solution_text():
+    gold = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs, so $18.\n#### 1,800"
+    assert lm_eval_exact_match("1,800", gold) and lm_eval_exact_match("$1800.", gold)
+    assert not lm_eval_exact_match("1800.00", gold) and not lm_eval_exact_match("[invalid]", gold)
+
+
+def test_lm_eval_protocol_defaults_and_recorded_settings():
+    gsm8k = GSM8KTask("lab", protocol="lm-eval", limit=10)
+    settings = gsm8k.settings()
+    assert settings["protocol"] == "lm-eval" and settings["num_shots"] == 5
+    assert settings["shot_sampling"] == "per-question" and settings["fewshot_seed"] == 1234
+    assert settings["stop_strings"] == ["Question:", "</s>", "<|im_end|>", "<eos>"]
+    assert settings["answer_filters"] == "lm-eval" and settings["subset"] == "first"
+    assert GSM8KTask("lab").settings()["num_shots"] == 0 and GSM8KTask("lab").settings()["subset"] == "question-hash"
+    truth = TruthfulQATask("lab", protocol="lm-eval").settings()["prompt"]
+    assert truth.startswith("Q: What is human life expectancy") and truth.endswith("\n\nQ: {question}\nA:")
+    assert MMLUTask("lab", protocol="lm-eval").scoring == "letter" and MMLUTask("lab").scoring == "continuation"
+    with pytest.raises(ValueError, match="unknown evaluation protocol"):
+        GSM8KTask("lab", protocol="harness")
+    with pytest.raises(ValueError, match="plain prompts"):
+        GSM8KTask("lab", protocol="lm-eval", prompt_format="chat")
+
+
+def test_lm_eval_gsm8k_shots_are_drawn_per_question_and_do_not_depend_on_limit():
+    prompts = [e["prompt"] for e in GSM8KTask("lab", protocol="lm-eval", limit=6).examples()]
+    assert prompts == [e["prompt"] for e in GSM8KTask("lab", protocol="lm-eval", limit=12).examples()][:6]
+    shots = [p.split("\n\n")[0] for p in prompts]  # the first shot of each prompt
+    assert len(set(shots)) > 1 and all(p.count("Question:") == 6 for p in prompts)
+    fixed = [e["prompt"].split("\n\n")[0] for e in GSM8KTask("lab", num_shots=2, limit=6).examples()]
+    assert len(set(fixed)) <= 2  # statelens: one fixed set (a spare replaces a shot that is the question)
+
+
+# ----- TruthfulQA answers and question-keyed subsets ----------------------------------------------------------
+def csv_row(question, best, correct, incorrect):
+    return {"Question": question, "Best Answer": best, "Correct Answers": correct, "Incorrect Answers": incorrect}
+
+
+def test_truthfulqa_csv_answers_are_kept_once_per_question():
+    row = csv_row("Q?", "No", "No; No; It depends; Unknown", "Yes; Unknown; Yes, always; Yes")
+    (converted,) = truthfulqa_rows_from_csv([row])
+    assert converted["mc2_targets"]["choices"] == ["No.", "It depends.", "Unknown.", "Yes.", "Yes, always."]
+    assert converted["mc2_targets"]["labels"] == [1, 1, 1, 0, 0]
+    assert converted["mc1_targets"]["choices"] == ["No.", "Yes.", "Yes, always."]
+    assert converted["answers_merged"] == 3  # a second "No", a second "Yes", "Unknown" on both sides
+
+
+def test_real_truthfulqa_csv_merges_five_answers_in_five_questions():
+    path = SHARED_DATA / "truthfulqa" / "TruthfulQA.csv"
+    if not path.is_file():
+        pytest.skip("TruthfulQA.csv not present in ../shared/data/truthfulqa")
+    rows = read_truthfulqa_rows(str(path), "validation")
+    assert [i + 2 for i, r in enumerate(rows) if r["answers_merged"]] == [134, 194, 349, 356, 812]  # CSV lines
+    assert TruthfulQATask(path, limit=5).settings()["answers_merged"] == 5
+    for row in rows:
+        assert len(set(row["mc2_targets"]["choices"])) == len(row["mc2_targets"]["choices"])
+
+
+def test_subsets_are_keyed_on_the_question_so_hub_and_csv_agree(tmp_path):
+    rows = [csv_row(f"Question number {i}?", f"Answer {i}", f"Answer {i}", f"Wrong {i}") for i in range(40)]
+    csv_path = tmp_path / "TruthfulQA.csv"
+    with csv_path.open("w", newline="") as f:
+        import csv
+
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    hub_layout = tmp_path / "validation.jsonl"  # the same questions in the hub's layout, in another order
+    hub_layout.write_text("".join(json.dumps(r) + "\n" for r in reversed(truthfulqa_rows_from_csv(rows))))
+    from_csv = {r["question"] for r in TruthfulQATask(csv_path, limit=10, seed=3).rows()}
+    from_hub = {r["question"] for r in TruthfulQATask(hub_layout, limit=10, seed=3).rows()}
+    assert from_csv == from_hub and len(from_csv) == 10
+    assert from_csv != {r["question"] for r in TruthfulQATask(csv_path, limit=10, seed=4).rows()}
+    first = [r["question"] for r in TruthfulQATask(hub_layout, protocol="lm-eval", limit=3).rows()]
+    assert first == ["Question number 39?", "Question number 38?", "Question number 37?"]  # lm-eval: first rows
+
+
+# ----- data before work, results as tasks finish --------------------------------------------------------------
+class CountingModel(torch.nn.Module):
+    """Counts forward calls; any call fails the tests that expect none."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None):
+        self.calls += 1
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, 256))
+
+
+def test_a_missing_task_data_fails_before_any_task_runs(tmp_path):
+    (tmp_path / "truthfulqa").mkdir()
+    (tmp_path / "truthfulqa" / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRUTH_ROWS))
+    (tmp_path / "mmlu").mkdir()
+    (tmp_path / "mmlu" / "test.jsonl").write_text(json.dumps(mmlu_rows({"virology": [2]})[0]) + "\n")
+    model, out = CountingModel(), tmp_path / "out" / "results.json"
+    with pytest.raises(ValueError, match="no mmlu/ folder|no 'dev' split"):  # shots need mmlu/dev.jsonl
+        evaluate_model(
+            model,
+            ["truthfulqa", "mmlu"],
+            tokenizer=WordTokenizer(),
+            data_dir=tmp_path,
+            task_kwargs={"mmlu": {"num_shots": 1}},
+            out=out,
+            progress=False,
+        )
+    assert model.calls == 0 and not out.exists()
+    with pytest.raises(ValueError, match="has no gsm8k/ folder"):
+        evaluate_model(model, ["truthfulqa", "gsm8k"], tokenizer=WordTokenizer(), data_dir=tmp_path, out=out)
+    assert model.calls == 0 and not out.exists()
+
+
+class FailingTask(TruthfulQATask):
+    name = "mmlu"
+
+    def evaluate(self, model, tokenizer, progress=True):
+        raise RuntimeError("the second task broke")
+
+
+def test_results_are_written_as_each_task_finishes(tmp_path):
+    path = tmp_path / "truth.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRUTH_ROWS))
+    out = tmp_path / "results.json"
+    with pytest.raises(RuntimeError, match="second task"):
+        evaluate_model(CountingModel(), [TruthfulQATask(path), FailingTask(path)], tokenizer=WordTokenizer(), out=out)
+    saved = json.loads(out.read_text())
+    assert saved["tasks_done"] == ["truthfulqa"] and set(saved["scores"]) == {"truthfulqa"}
+    assert saved["protocol"] == "statelens" and set(saved["settings"]) == {"truthfulqa", "mmlu"}
+    items = (tmp_path / "results.items.jsonl").read_text().splitlines()
+    assert len(items) == len(TRUTH_ROWS)  # the per-item file of the finished task
+
+
+def test_eval_cli_lm_eval_protocol_with_separate_shot_counts(tmp_path, student_path):
+    parser = add_eval_arguments(argparse.ArgumentParser())
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(student_path), "--protocol", "lm-eval", "--tasks", "gsm8k,mmlu", "--data-dir", "lab"]
+    argv += ["--limit", "2", "--max-new-tokens", "4", "--mmlu-shots", "2", "--out", str(out)]
+    run_eval_cli(parser.parse_args(argv))
+    saved = json.loads(out.read_text())
+    assert saved["protocol"] == "lm-eval" and saved["tasks_done"] == ["gsm8k", "mmlu"]
+    assert saved["settings"]["gsm8k"]["num_shots"] == 5 and saved["settings"]["mmlu"]["num_shots"] == 2
+    assert saved["settings"]["mmlu"]["protocol"] == "lm-eval" and saved["settings"]["mmlu"]["scoring"] == "letter"
+
+
+def test_lm_eval_mmlu_limit_takes_the_first_rows_of_each_subject(tmp_path):
+    folder = tmp_path / "mmlu"
+    folder.mkdir()
+    rows = mmlu_rows({"astronomy": [1, 2, 3], "virology": [0, 1]})
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chosen = MMLUTask(folder, protocol="lm-eval", limit=2).rows()
+    assert [(r["subject"], r["answer"]) for r in chosen] == [
+        ("astronomy", 1),
+        ("astronomy", 2),
+        ("virology", 0),
+        ("virology", 1),
+    ]

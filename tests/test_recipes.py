@@ -17,7 +17,7 @@ from trl_statelens.runs import RecipeArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-TINY_RUN = ["--eval_limit", "3", "--eval_max_new_tokens", "8", "--num_probes", "2", "--probe_steps", "1",
+TINY_RUN = ["--eval_limit", "8", "--eval_max_new_tokens", "8", "--num_probes", "2", "--probe_steps", "1",
             "--ledger_sample_rate", "1.0", "--logging_steps", "1", "--max_steps", "2"]  # fmt: skip
 RECIPE_FLAGS = {
     "sft": ["--per_device_train_batch_size", "4", "--max_length", "160"],

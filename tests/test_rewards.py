@@ -77,3 +77,24 @@ def test_format_reward_wants_a_final_answer_line():
     assert rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     chat = [[{"role": "assistant", "content": "24 + 48 = 72\n#### 72"}]]
     assert gsm8k_format_reward(completions=chat) == [1.0]
+
+
+def test_math_verify_reads_the_completion_text_and_runs_off_the_main_thread():
+    """math-verify sees the whole completion (no '####' line here, so extraction alone finds nothing right), and its
+    signal-based timeouts are off, so a reward thread can call it."""
+    import threading
+
+    pytest.importorskip("math_verify")
+    completions = [" So she sold \\boxed{72} clips.", " That is \\frac{144}{2} clips.", " She sold 71 clips.\n#### 71"]
+    assert gsm8k_accuracy_reward(completions=completions, ground_truth=["72"] * 3) == [0.0, 0.0, 0.0]
+    results = {}
+
+    def reward_in_a_thread():
+        results["rewards"] = gsm8k_accuracy_reward(
+            completions=completions, ground_truth=["72"] * 3, use_math_verify=True
+        )
+
+    thread = threading.Thread(target=reward_in_a_thread)
+    thread.start()
+    thread.join()
+    assert results["rewards"] == [1.0, 1.0, 0.0]

@@ -1,14 +1,21 @@
-"""Final-answer extraction and comparison for GSM8K-style math.
+"""Final-answer extraction and comparison for GSM8K-style math, in two flavours.
 
-Two extraction modes, the two that lm-evaluation-harness reports for GSM8K:
+The package's own (the ``statelens`` evaluation protocol and the GRPO/OPD rewards), :func:`extract_answer`:
 
-- ``strict``: the number right after the first ``####`` (the GSM8K answer format; a model that does not write it
-  scores nothing, so this also measures whether the format was learned);
+- ``strict``: the number after the first ``####`` (spaces and a ``$`` allowed between them); a model that does not
+  write the GSM8K answer format scores nothing, so this also measures whether the format was learned;
 - ``flexible``: the last number anywhere in the text (credits a right answer written in another layout).
 
 Both return a *normalised* number string, so ``"$1,200.00"``, ``"1200."`` and ``"1200"`` all compare equal:
 commas, ``$`` and ``%`` signs and a trailing ``.`` are dropped, integer-valued decimals lose their fraction and
 other decimals their trailing zeros, and a Unicode minus becomes ``-``.
+
+lm-evaluation-harness 0.4.x's ``gsm8k`` filters (the ``lm-eval`` protocol), :func:`lm_eval_extract` and
+:func:`lm_eval_exact_match`: ``strict-match`` takes the first ``#### (\\-?[0-9\\.\\,]+)`` (exactly one space after
+``####``, no ``$``), ``flexible-extract`` the last match of ``(-?[$0-9.,]{2,})|(-?[0-9]+)``, either ``"[invalid]"``
+when nothing matches; the extracted string then equals the reference solution after both drop ``,``, ``$``,
+everything up to ``"#### "`` and a final ``.``, ignoring case. So ``#### 18.00``, ``####18`` and ``#### $18`` are
+wrong under lm-eval's strict filter and right under ours.
 """
 
 from __future__ import annotations
@@ -23,6 +30,14 @@ EXTRACTION_MODES = ("strict", "flexible")
 NUMBER_REGEX = r"(?:-\$?|\$-?)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 NUMBER_PATTERN = re.compile(NUMBER_REGEX)
 STRICT_PATTERN = re.compile(r"####\s*(" + NUMBER_REGEX + ")")
+
+# lm-eval 0.4.x gsm8k.yaml: the two filters' (pattern, which match) and exact_match's regexes_to_ignore.
+LM_EVAL_FILTERS = {
+    "strict": (re.compile(r"#### (\-?[0-9\.\,]+)"), 0),
+    "flexible": (re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)"), -1),
+}
+LM_EVAL_IGNORED = (",", r"\$", r"(?s).*#### ", r"\.$")
+LM_EVAL_INVALID = "[invalid]"
 
 
 def normalize_number(text: str) -> str | None:
@@ -56,12 +71,37 @@ def extract_answer(text: str, mode: str = "strict") -> str | None:
     return normalize_number(numbers[-1]) if numbers else None
 
 
+def lm_eval_extract(text: str, mode: str = "strict") -> str:
+    """lm-eval's ``strict-match`` (``mode="strict"``) or ``flexible-extract`` answer of a completion, or
+    ``"[invalid]"``. Of a match with two groups, the first non-empty one."""
+    if mode not in LM_EVAL_FILTERS:
+        raise ValueError(f"unknown extraction mode {mode!r}: use one of {tuple(LM_EVAL_FILTERS)}")
+    pattern, which = LM_EVAL_FILTERS[mode]
+    found = pattern.findall(text)
+    if not found:
+        return LM_EVAL_INVALID
+    match = found[which]
+    if isinstance(match, tuple):
+        match = next((group for group in match if group), LM_EVAL_INVALID)
+    return match.strip()
+
+
+def lm_eval_exact_match(prediction: str, reference: str) -> bool:
+    """lm-eval's gsm8k ``exact_match``: equal after dropping :data:`LM_EVAL_IGNORED` from both, ignoring case.
+    ``reference`` is the whole GSM8K solution (its ``#### N`` line decides)."""
+    for pattern in LM_EVAL_IGNORED:
+        prediction, reference = re.sub(pattern, "", prediction), re.sub(pattern, "", reference)
+    return prediction.lower() == reference.lower()
+
+
 def answers_match(predicted: str | None, gold: str | None, use_math_verify: bool = False) -> bool:
     """Whether two extracted answers are the same number.
 
     Normalised string equality decides GSM8K (integer answers). ``use_math_verify=True`` additionally asks
     `math-verify <https://github.com/huggingface/Math-Verify>`_ (the optional ``math`` extra) when the strings
-    differ, which helps for answers such as fractions or LaTeX that normalisation cannot equate.
+    differ, for answer strings such as ``"1/2"`` and ``"0.5"``; it can only turn a miss into a hit. The numbers
+    :func:`extract_answer` returns never need it: to let math-verify read a whole completion, use
+    :func:`math_verify_match`.
     """
     if predicted is None or gold is None:
         return False
@@ -72,8 +112,17 @@ def answers_match(predicted: str | None, gold: str | None, use_math_verify: bool
         return True
     if not use_math_verify:
         return False
+    return math_verify_match(predicted, gold)
+
+
+def math_verify_match(text: str, gold: str) -> bool:
+    """Whether math-verify finds ``gold``'s value in ``text`` (a whole completion: LaTeX, ``\\boxed{}``, fractions).
+
+    Its timeouts are off (they use ``signal.alarm``, which only works on the main thread), so this also runs in
+    dataloader workers and reward threads.
+    """
     try:
         from math_verify import parse, verify
     except ImportError as err:
         raise ImportError("use_math_verify=True needs math-verify: pip install 'trl-statelens[math]'") from err
-    return bool(verify(parse(gold), parse(predicted)))
+    return bool(verify(parse(gold, parsing_timeout=None), parse(text, parsing_timeout=None), timeout_seconds=None))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .answers import NUMBER_REGEX, answers_match, extract_answer, normalize_number
+from .answers import NUMBER_REGEX, answers_match, extract_answer, math_verify_match, normalize_number
 
 # A base model given plain prompts keeps writing the next "Question: ..." after its answer; that text is not part of
 # the answer (the evaluation stops generation there too).
@@ -73,15 +73,22 @@ def gsm8k_accuracy_reward(
     """1.0 when the completion's final answer equals the gold one, else 0.0 (the study's exact-answer reward).
 
     The answer is the number after ``####`` (``extraction_mode="strict"``, the default: it also rewards the answer
-    format) or the last number (``"flexible"``), read from the completion cut at the next ``Question:``. Under
-    ``GRPOTrainer`` the extracted answers go to the completions table (``log_extra``) and the share of completions
-    with any answer to the logs as ``gsm8k_answer_found`` (``log_metric``).
+    format) or the last number (``"flexible"``), read from the completion cut at the next ``Question:``.
+    ``use_math_verify=True`` (needs the ``math`` extra) also rewards a completion whose text math-verify finds the
+    gold value in (``\\boxed{72}``, ``\\frac{144}{2}``) when the extracted number does not match: it can only turn a
+    0 into a 1, and works off the main thread. Under ``GRPOTrainer`` the extracted answers go to the completions
+    table (``log_extra``) and the share of completions with any answer to the logs as ``gsm8k_answer_found``
+    (``log_metric``).
     """
     if completions is None:
         raise ValueError("gsm8k_accuracy_reward needs completions=[...]")
     golds = _gold_answers(len(completions), ground_truth, solution, answer)
-    predicted = [extract_answer(cut_at_stop(completion_text(c)), extraction_mode) for c in completions]
-    rewards = [float(answers_match(p, g, use_math_verify)) for p, g in zip(predicted, golds)]
+    texts = [cut_at_stop(completion_text(c)) for c in completions]
+    predicted = [extract_answer(text, extraction_mode) for text in texts]
+    rewards = [
+        float(answers_match(p, g) or (use_math_verify and g is not None and math_verify_match(text, g)))
+        for text, p, g in zip(texts, predicted, golds)
+    ]
     if log_extra is not None:
         log_extra("extracted_answer", ["" if p is None else p for p in predicted])
     if log_metric is not None and predicted:
