@@ -29,8 +29,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .evaluation import retention_summary
-
 TARGET_TASK = "gsm8k"
 SCORE_COLUMNS = {"gsm8k": "GSM8K", "truthfulqa": "TruthfulQA", "mmlu": "MMLU"}
 TABLE2_HEADER = ["Run", *SCORE_COLUMNS.values(), "MMD drift", "Forgetting", "Retention"]
@@ -284,6 +282,8 @@ def base_scores_for(runs: list[Run], base: Run | None) -> tuple[dict | None, str
 
 
 def table2(runs: list[Run], base_scores: dict | None, base_source: str) -> list[Block]:
+    from .evaluation import retention_summary  # imports torch: only when a report is written
+
     rows, notes = [], [base_source]
     if base_scores is not None:
         rows.append(["Base", *(fmt(base_scores.get(t), ".4f") for t in SCORE_COLUMNS), MISSING, MISSING, MISSING])
@@ -477,6 +477,8 @@ def plot_drift(runs, styles, out_dir) -> Path | None:
 
 
 def plot_tradeoff(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
+    from .evaluation import retention_summary
+
     points = []
     for run in runs:
         after = run.evaluation("after")
@@ -704,20 +706,6 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
     report_path.write_text(markdown(blocks), encoding="utf-8")
     (out_dir / "report.html").write_text(html_page(blocks), encoding="utf-8")
     return report_path
-
-
-def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The arguments of `statelens report`."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders written by the recipes")
-    parser.add_argument("--out", required=True, help="folder for report.md, report.html and the PNG plots")
-    parser.add_argument(
-        "--base",
-        default=None,
-        metavar="RUN_DIR",
-        help="run folder whose `after` scores form the Base row (e.g. an eval of the base model); "
-        "default: the first run's `before` scores",
-    )
-    return parser
 
 
 def run_report_cli(args: argparse.Namespace) -> int:
