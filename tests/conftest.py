@@ -108,3 +108,36 @@ def kb_dataset(world):
     return Dataset.from_list(
         [{"prompt": format_plain(r["question"]), "completion": " " + r["choices"][r["answer"]]} for r in rows]
     )
+
+
+@pytest.fixture(scope="session")
+def tensorboard_opd_run(tmp_path_factory, math_trained_path, math_teacher_path, math_dataset, world):
+    """A real 4-step `OnPolicyDistillTrainer` run (learner and dataset states, a teacher, a reward) that reports to
+    tensorboard and keeps every sequence in its ledger: the run folder, for the states page and the tracking tests."""
+    from cpu_settings import CPU
+
+    from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+    from trl_statelens.rewards import gsm8k_accuracy_reward
+
+    out = tmp_path_factory.mktemp("tensorboard_opd")
+    args = OnPolicyDistillConfig(
+        **{**CPU, "report_to": "tensorboard", "logging_steps": 1},
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=16,
+        learning_rate=1e-3,
+        state_source_mix={"learner": 0.6, "dataset": 0.4},
+    )
+    probes = [format_plain(row["question"]) for row in world.math("dev", n=2)]
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(math_teacher_path),
+        args=args,
+        train_dataset=math_dataset,
+        reward_funcs=[gsm8k_accuracy_reward],
+        callbacks=[StateLoggingCallback(probe_prompts=probes, probe_steps=2, sample_rate=1.0)],
+    )
+    trainer.train()
+    return out, trainer.state.log_history
