@@ -1,6 +1,7 @@
 """Session-scoped lab fixtures, built in seconds. Every test runs offline."""
 
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -9,6 +10,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["WANDB_DISABLED"] = "true"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["TQDM_DISABLE"] = "1"
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="statelens-tests-trackio-")  # read when trackio is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -113,15 +115,23 @@ def kb_dataset(world):
 @pytest.fixture(scope="session")
 def tensorboard_opd_run(tmp_path_factory, math_trained_path, math_teacher_path, math_dataset, world):
     """A real 4-step `OnPolicyDistillTrainer` run (learner and dataset states, a teacher, a reward) that reports to
-    tensorboard and keeps every sequence in its ledger: the run folder, for the states page and the tracking tests."""
+    tensorboard (and to trackio, offline, when it is installed) and keeps every sequence in its ledger. Returns the
+    run folder (tensorboard events under `runs/`) and the log history."""
+    import importlib.util
+
     from cpu_settings import CPU
 
     from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
     from trl_statelens.rewards import gsm8k_accuracy_reward
 
     out = tmp_path_factory.mktemp("tensorboard_opd")
+    report_to = ["tensorboard"]
+    if importlib.util.find_spec("trackio") is not None:
+        report_to.append("trackio")  # offline: a local database under $TRACKIO_DIR (set above)
     args = OnPolicyDistillConfig(
-        **{**CPU, "report_to": "tensorboard", "logging_steps": 1},
+        **{**CPU, "report_to": report_to, "logging_steps": 1},
+        project="statelens-tests",
+        run_name=out.name,
         output_dir=str(out),
         max_steps=4,
         per_device_train_batch_size=8,
