@@ -1,6 +1,8 @@
 """Session-scoped lab fixtures, built in seconds. Every test runs offline."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -11,6 +13,7 @@ os.environ["WANDB_DISABLED"] = "true"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["TQDM_DISABLE"] = "1"
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="statelens-tests-trackio-")  # read when trackio is imported
+atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -100,6 +100,13 @@ class Browser:
         element = self._call("POST", f"{self.session}/element", {"using": "css selector", "value": css})
         self._call("POST", f"{self.session}/element/{element[ELEMENT]}/click", {})
 
+    def hover(self, css: str) -> None:
+        element = self._call("POST", f"{self.session}/element", {"using": "css selector", "value": css})
+        move = {"type": "pointerMove", "duration": 0, "origin": {ELEMENT: element[ELEMENT]}, "x": 0, "y": 0}
+        self._call(
+            "POST", f"{self.session}/actions", {"actions": [{"type": "pointer", "id": "mouse", "actions": [move]}]}
+        )
+
     def console(self) -> list[dict]:
         """Browser console entries since the last call (chromedriver's log extension)."""
         return self._call("POST", f"{self.session}/se/log", {"type": "browser"})
@@ -242,6 +249,10 @@ def test_page_renders_and_filters_in_chromium(browser, report_dir, tensorboard_o
     assert browser.run("return document.querySelectorAll('svg.heatmap').length") == 2
     assert browser.run("return document.querySelectorAll('svg.heatmap rect.cell').length") >= 4
     assert browser.run("return document.querySelectorAll('svg.line-chart').length") >= 3
+    # hovering a token shows its values: the third token of the first sequence has prefix length 2
+    browser.hover("#sequences .seq:nth-child(1) .tok:nth-child(3)")
+    tooltip = browser.run("return document.getElementById('tooltip').innerText")
+    assert "prefix length\t2" in tooltip and "teacher log p" in tooltip
     no_console_errors(browser)
 
     # unticking the learner source leaves only dataset sequences, and the fragment says so
@@ -285,5 +296,7 @@ def test_screenshot_for_the_readme(browser, tmp_path):
     picture, docs/states_page.png."""
     path = write_states_page([load_run(os.environ["STATELENS_SCREENSHOT"])], tmp_path / "states.html")
     browser.open(path, os.environ.get("STATELENS_SCREENSHOT_VIEW", "#color=gap"))
+    browser.hover(os.environ.get("STATELENS_SCREENSHOT_HOVER", ".seq:nth-child(2) .tok:nth-child(6)"))
+    assert browser.run("return document.getElementById('tooltip').hidden") is False
     no_console_errors(browser)
     browser.screenshot(Path(__file__).parents[1] / "docs" / "states_page.png")
