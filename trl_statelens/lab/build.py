@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .model import build_model
-from .paths import lab_dir, lab_home, lab_info  # noqa: F401  (lab_info: part of the lab API)
+from .paths import lab_dir
 from .tokenizer import build_tokenizer
 from .world import LabWorld, format_plain
 
