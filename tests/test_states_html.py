@@ -205,18 +205,26 @@ def test_page_embeds_the_ledger_as_recorded(report_dir, tensorboard_opd_run):
             assert entry["kl"] is None  # dataset tokens: log p_S - log p_T is no KL estimate
 
 
-def test_big_ledger_is_sampled_evenly(tmp_path):
-    synthetic_ledger(tmp_path / "big", num_sequences=10_000, num_steps=500)
+@pytest.fixture(scope="module")
+def big_page(tmp_path_factory):
+    """A 10,000-sequence ledger over 500 steps, and its page."""
+    run_dir = tmp_path_factory.mktemp("big") / "run"
+    synthetic_ledger(run_dir, num_sequences=10_000, num_steps=500)
     started = time.perf_counter()
-    path = write_states_page([load_run(tmp_path / "big")], tmp_path / "states.html")
-    seconds = time.perf_counter() - started
-    data = page_data([load_run(tmp_path / "big")])
+    path = write_states_page([load_run(run_dir)], run_dir.parent / "states.html")
+    print(f"10k-sequence ledger: page written in {time.perf_counter() - started:.2f} s")
+    return run_dir, path
+
+
+def test_big_ledger_is_sampled_evenly(big_page):
+    run_dir, path = big_page
+    data = page_data([load_run(run_dir)])
     steps = [entry["s"] for entry in data["sequences"]]
     assert len(steps) == MAX_SEQUENCES and data["runs"][0]["ledger_sequences"] == 10_000
     assert min(steps) == 1 and max(steps) == 500 and len(set(steps)) == 500  # every step keeps some sequences
     size_mb = path.stat().st_size / 1e6
     assert size_mb < 20
-    print(f"10k-sequence ledger: page written in {seconds:.2f} s, {size_mb:.1f} MB")
+    print(f"10k-sequence ledger: page of {size_mb:.1f} MB")
 
 
 def test_bad_ledger_lines_are_counted_not_fatal(tmp_path):
@@ -275,10 +283,8 @@ def test_page_renders_and_filters_in_chromium(browser, report_dir, tensorboard_o
 
 @needs_browser
 @pytest.mark.slow
-def test_big_ledger_page_stays_responsive(browser, tmp_path):
-    synthetic_ledger(tmp_path / "big", num_sequences=10_000, num_steps=500)
-    path = write_states_page([load_run(tmp_path / "big")], tmp_path / "states.html")
-    browser.open(path)
+def test_big_ledger_page_stays_responsive(browser, big_page):
+    browser.open(big_page[1])
     render_ms = float(browser.run("return document.body.dataset.renderMs"))
     assert browser.run(f"return {VISIBLE}") == MAX_SEQUENCES
     started = time.perf_counter()
