@@ -236,6 +236,15 @@ def test_bad_ledger_lines_are_counted_not_fatal(tmp_path):
     assert data["runs"][0]["notes"] == ["2 ledger line(s) left out: not valid JSON or no per-token values"]
 
 
+def test_ledger_from_before_per_token_text_shows_the_completion(tmp_path):
+    synthetic_ledger(tmp_path / "run", num_sequences=4, num_steps=2, tokens=5)
+    ledger = tmp_path / "run" / "statelens" / "states.jsonl"
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    ledger.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "tokens"}) + "\n" for line in lines))
+    entries = page_data([load_run(tmp_path / "run")])["sequences"]
+    assert [(entry["t"], entry["c"]) for entry in entries] == [(None, line["completion"]) for line in lines]
+
+
 # ----- what the browser shows ---------------------------------------------------------------------------------------
 VISIBLE = "Number(document.getElementById('sequences').dataset.visible)"
 
