@@ -283,6 +283,9 @@ def test_page_renders_and_filters_in_chromium(browser, report_dir, tensorboard_o
     browser.open(report_dir / "states.html", "#steps=2-3&sort=gap&color=gap")
     steps = browser.run("return [...document.querySelectorAll('.seq-head')].map(h => h.textContent)")
     assert steps and all(" step 2 " in h or " step 3 " in h for h in steps)
+    # the step range shows on every heatmap and chart, as two lines bounding it
+    charts = browser.run("return document.querySelectorAll('svg.chart').length")
+    assert browser.run("return document.querySelectorAll('svg.chart g.selection line').length") == 2 * charts
     gaps = [float(h.split("off-policy gap ")[1].split(" ")[0]) for h in steps]
     assert gaps == sorted(gaps, reverse=True)
     colours = browser.run("return new Set([...document.querySelectorAll('.tok')].map(t => t.style.background)).size")
