@@ -3,6 +3,7 @@
 accelerate launch recipes/opd.py                                        # the lab (configs/lab/opd.yaml)
 accelerate launch recipes/opd.py --config recipes/configs/study/opd_from_stress_sft.yaml
 accelerate launch recipes/opd.py --baseline stock                       # TRL's DistillationTrainer, same run
+accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000   # the teacher on a vLLM server
 """
 
 import sys
@@ -13,6 +14,8 @@ from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.opd_trainer import load_teacher
 from trl_statelens.runs import (
+    LAB,
+    LAB_TEACHER,
     RecipeArguments,
     load_train_data,
     resolve_model,
@@ -25,14 +28,25 @@ from trl_statelens.runs import (
 @dataclass
 class OPDScriptArguments(RecipeArguments):
     """teacher_model_name_or_path: the teacher: "lab-teacher" (the lab base model fine-tuned on lab math, built on
-    first use), a saved model folder (for example an SFT recipe's output_dir) or a hub id."""
+    first use), a saved model folder (for example an SFT recipe's output_dir) or a hub id. With
+    `--teacher_model_server_url` the server runs the teacher: a folder or hub id given here is only read for its
+    tokenizer (checked against the student's), and the lab names are not built."""
 
     teacher_model_name_or_path: str = "lab-teacher"
 
 
 def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
-    teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
+    if training_args.teacher_model_server_url is None:
+        teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
+    elif args.baseline == "stock":
+        raise ValueError(
+            "--baseline stock loads TRL's DistillationTrainer teacher in-process: drop --teacher_model_server_url"
+        )
+    else:  # the served teacher's weights are not loaded here; a lab name has the student's tokenizer anyway
+        teacher_path = (
+            None if args.teacher_model_name_or_path in (LAB, LAB_TEACHER) else args.teacher_model_name_or_path
+        )
     dataset = load_train_data(args, training_args.seed)
     callback = state_logging_callback(args)
     if args.baseline == "stock":  # always on-policy, full-vocabulary JSD with beta = jsd_beta
@@ -58,7 +72,7 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
             callbacks=[callback],
         )
     callback.trainer = trainer
-    run_recipe("opd", trainer, args, model_path, teacher_path)
+    run_recipe("opd", trainer, args, model_path, training_args.teacher_model_server_url or teacher_path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Session-scoped lab fixtures, built in seconds. Every test runs offline."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -9,6 +12,8 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["WANDB_DISABLED"] = "true"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["TQDM_DISABLE"] = "1"
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="statelens-tests-trackio-")  # read when trackio is imported
+atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -108,3 +113,44 @@ def kb_dataset(world):
     return Dataset.from_list(
         [{"prompt": format_plain(r["question"]), "completion": " " + r["choices"][r["answer"]]} for r in rows]
     )
+
+
+@pytest.fixture(scope="session")
+def tensorboard_opd_run(tmp_path_factory, math_trained_path, math_teacher_path, math_dataset, world):
+    """A real 4-step `OnPolicyDistillTrainer` run (learner and dataset states, a teacher, a reward) that reports to
+    tensorboard (and to trackio, offline, when it is installed) and keeps every sequence in its ledger. Returns the
+    run folder (tensorboard events under `runs/`) and the log history."""
+    import importlib.util
+
+    from cpu_settings import CPU
+
+    from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+    from trl_statelens.rewards import gsm8k_accuracy_reward
+
+    out = tmp_path_factory.mktemp("tensorboard_opd")
+    report_to = ["tensorboard"]
+    if importlib.util.find_spec("trackio") is not None:
+        report_to.append("trackio")  # offline: a local database under $TRACKIO_DIR (set above)
+    args = OnPolicyDistillConfig(
+        **{**CPU, "report_to": report_to, "logging_steps": 1},
+        project="statelens-tests",
+        run_name=out.name,
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=16,
+        learning_rate=1e-3,
+        state_source_mix={"learner": 0.6, "dataset": 0.4},
+    )
+    probes = [format_plain(row["question"]) for row in world.math("dev", n=2)]
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(math_teacher_path),
+        args=args,
+        train_dataset=math_dataset,
+        reward_funcs=[gsm8k_accuracy_reward],
+        callbacks=[StateLoggingCallback(probe_prompts=probes, probe_steps=2, sample_rate=1.0)],
+    )
+    trainer.train()
+    return out, trainer.state.log_history

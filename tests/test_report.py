@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 from matplotlib.image import imread
 
+from trl_statelens.cli import add_report_arguments
 from trl_statelens.evaluation import retention_summary
-from trl_statelens.report import add_report_arguments, run_report_cli, token_weighted_mean, write_report
+from trl_statelens.report import run_report_cli, token_weighted_mean, write_report
 
 PLOTS = ["state_curves.png", "prefix_lengths.png", "drift.png", "tradeoff.png", "teacher_kl.png"]
 

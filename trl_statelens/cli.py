@@ -1,4 +1,8 @@
-"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``, ``statelens report``."""
+"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``, ``statelens report``.
+
+Each command imports what it needs when it runs: ``statelens --help``, ``statelens lab info`` and ``statelens report
+--help`` never import torch, transformers or pandas (``tests/test_cli.py`` checks).
+"""
 
 from __future__ import annotations
 
@@ -65,9 +69,46 @@ def _print_info(info: dict) -> None:
         )
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand parser that can add its arguments when it is used (`add_arguments`), so a command whose
+    arguments live in a heavy module (`eval`: torch) costs nothing to the other commands and to `statelens --help`."""
+
+    def __init__(self, *args, add_arguments=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._add_arguments is not None:
+            add_arguments, self._add_arguments = self._add_arguments, None
+            add_arguments(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    from .evaluation import add_eval_arguments
+
+    add_eval_arguments(parser)
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of `statelens report` (here, not in `report.py`, so `--help` does not import pandas)."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders written by the recipes")
+    parser.add_argument(
+        "--out", required=True, help="folder for report.md, report.html, states.html and the PNG plots"
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="RUN_DIR",
+        help="run folder whose `after` scores form the Base row (e.g. an eval of the base model); "
+        "default: the first run's `before` scores",
+    )
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="statelens", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Subcommand)
 
     lab = commands.add_parser("lab", help="the offline lab world").add_subparsers(dest="lab_command", required=True)
     build = lab.add_parser(
@@ -84,15 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=_lab_info)
 
-    from .evaluation import add_eval_arguments
-
-    evaluate = commands.add_parser("eval", help="evaluate a model on gsm8k, truthfulqa and mmlu (or the lab's tasks)")
-    add_eval_arguments(evaluate)
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a model on gsm8k, truthfulqa and mmlu (or the lab's tasks)",
+        add_arguments=_eval_arguments,
+    )
     evaluate.set_defaults(func=_eval)
 
-    from .report import add_report_arguments
-
-    report = commands.add_parser("report", help="compare run folders: the study's Table 2, state statistics and plots")
+    report = commands.add_parser(
+        "report", help="compare run folders: the study's Table 2, state statistics, plots and the states page"
+    )
     add_report_arguments(report)
     report.set_defaults(func=_report)
     return parser

@@ -68,6 +68,27 @@ class OnPolicyDistillConfig(GRPOConfig):
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
+
+        > Teacher behind a vLLM server
+
+        teacher_model_server_url (`str`, *optional*):
+            Base URL of a `vllm serve` server running the teacher (TRL's name, as in its `ServerDistillationConfig`),
+            e.g. `"http://localhost:8000"`. Set, no teacher weights are loaded in the training processes: each rank
+            asks the server for the teacher log-probs of its own rows (`reverse_kl`: exact, from vLLM's prompt
+            log-probs of the actual tokens) and for the teacher's tokens (`continuation`, the `teacher` state source)
+            sampled with this config's `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`. Needs
+            `temperature=1.0` (vLLM scores prompts with unscaled logits) and a `signal` other than `"divergence"`
+            (the full next-token distribution is not served).
+        teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds to wait for the server at start-up, and for each answer.
+        teacher_server_max_retries (`int`, *optional*, defaults to `3`):
+            Retries of a request that failed in a way that can pass (no connection, timeout, HTTP 5xx or 429) before
+            training stops with a `TeacherServerError`.
+        teacher_server_retry_backoff (`float`, *optional*, defaults to `2.0`):
+            Seconds before the first retry, doubled for each further one.
+        teacher_server_chunk_size (`int`, *optional*, defaults to `0`):
+            Rows per scoring request, sent concurrently (TRL's `chunk_size`); `0` sends each rank's rows in one
+            request.
     """
 
     signal: str = field(default="reverse_kl", metadata={"help": f"One of {SIGNALS}."})
@@ -81,6 +102,21 @@ class OnPolicyDistillConfig(GRPOConfig):
     reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
+    )
+    teacher_model_server_url: str | None = field(
+        default=None, metadata={"help": 'Base URL of a vLLM server running the teacher, e.g. "http://localhost:8000".'}
+    )
+    teacher_server_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds to wait for the teacher server at start-up and for each answer."}
+    )
+    teacher_server_max_retries: int = field(
+        default=3, metadata={"help": "Retries of a teacher request after a failure that can pass."}
+    )
+    teacher_server_retry_backoff: float = field(
+        default=2.0, metadata={"help": "Seconds before the first retry, doubled for each further one."}
+    )
+    teacher_server_chunk_size: int = field(
+        default=0, metadata={"help": "Rows per teacher scoring request (0: all of a rank's rows in one)."}
     )
 
     # JSON strings from the command line become dicts in `TrainingArguments.__post_init__`, as TRL's dict fields do
@@ -125,6 +161,8 @@ class OnPolicyDistillConfig(GRPOConfig):
                 f"num_iterations={self.num_iterations}: on-policy distillation trains on each rollout once; reusing "
                 "rollouts needs GRPO's clipped importance ratios, which its losses do not have. Set num_iterations=1"
             )
+        if self.teacher_model_server_url is not None:
+            self._check_teacher_server_settings()
         super().__post_init__()
         if self.signal == "reverse_kl" and self.gradient_accumulation_steps % self.steps_per_generation != 0:
             raise ValueError(
@@ -134,6 +172,28 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "distillation does not. Make steps_per_generation divide gradient_accumulation_steps, or use "
                 "signal='continuation' or 'divergence' (supervision at given states, no sampled-token gradient)"
             )
+
+    def _check_teacher_server_settings(self):
+        if self.signal == "divergence":
+            raise ValueError(
+                "signal='divergence' needs the teacher's full next-token distribution at every state, which a vLLM "
+                "server does not return (its log-probs are the top-k plus the actual token): with "
+                "teacher_model_server_url use signal='reverse_kl' (exact through the server) or 'continuation', or "
+                "load the teacher in the training processes (teacher_model, without teacher_model_server_url)"
+            )
+        if self.temperature != 1.0:
+            raise ValueError(
+                f"temperature={self.temperature} with teacher_model_server_url: vLLM scores given tokens at "
+                "temperature 1 whatever the request says (prompt log-probs come from unscaled logits), so the "
+                "teacher would be compared at another temperature than the student; set temperature=1.0 or load the "
+                "teacher in the training processes"
+            )
+        if self.teacher_server_timeout <= 0:
+            raise ValueError(f"teacher_server_timeout must be positive seconds, got {self.teacher_server_timeout}")
+        if self.teacher_server_max_retries < 0 or self.teacher_server_retry_backoff < 0:
+            raise ValueError("teacher_server_max_retries and teacher_server_retry_backoff must not be negative")
+        if self.teacher_server_chunk_size < 0:
+            raise ValueError(f"teacher_server_chunk_size must be >= 0, got {self.teacher_server_chunk_size}")
 
     def to_distillation_config(self) -> DistillationConfig:
         """The same run for TRL's stock `DistillationTrainer`: every shared field copied, `beta` = `jsd_beta`.

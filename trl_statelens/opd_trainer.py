@@ -53,10 +53,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
     Args:
         model (`str` or `PreTrainedModel`): the student, as for [`~trl.GRPOTrainer`].
-        teacher_model (`str` or `PreTrainedModel`): the teacher, an instance or a path/hub id loaded with
+        teacher_model (`str` or `PreTrainedModel`, *optional*): the teacher, an instance or a path/hub id loaded with
             `args.teacher_model_init_kwargs`. It must share the student's vocabulary (TRL's `GOLDTrainer` handles
             cross-tokenizer distillation). It is frozen, kept in eval mode and prepared for the same
-            device/DeepSpeed setup as the student.
+            device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a vLLM server runs the
+            teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no weights are loaded).
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
@@ -72,7 +73,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        teacher_model: str | PreTrainedModel,
+        teacher_model: str | PreTrainedModel | None = None,
         args: OnPolicyDistillConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -94,9 +95,20 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
                 "importance-sampling correction would see log-probs of tokens the student did not sample"
             )
-        if teacher_model is None:
-            raise ValueError("OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id)")
-        if isinstance(teacher_model, str):
+        if args.teacher_model_server_url is not None:
+            if not (teacher_model is None or isinstance(teacher_model, str)):
+                raise ValueError(
+                    "teacher_model_server_url serves the teacher, so teacher_model must not be a model instance: "
+                    "omit it, or give the teacher's path or hub id to check its tokenizer against the student's "
+                    "(its weights are not loaded)"
+                )
+            teacher_path, teacher_model = teacher_model, None
+        elif teacher_model is None:
+            raise ValueError(
+                "OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id), or the address of a "
+                "vLLM server running it in args.teacher_model_server_url"
+            )
+        elif isinstance(teacher_model, str):
             teacher_path = teacher_model
             teacher_model = load_teacher(teacher_model, args)
         else:
@@ -116,15 +128,21 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             peft_config=peft_config,
             state_logging=state_logging,
         )
-        _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path)
-
-        teacher_model.eval()
-        teacher_model.requires_grad_(False)
-        add_fused_lm_head(teacher_model, temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
-        if self.is_deepspeed_enabled:
-            self.teacher_model = prepare_deepspeed(teacher_model, self.accelerator)
+        if args.teacher_model_server_url is not None:
+            self.teacher_model = None
+            self.served_teacher = self._connect_teacher_server(teacher_path)
         else:
-            self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
+            self.served_teacher = None
+            _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path)
+            teacher_model.eval()
+            teacher_model.requires_grad_(False)
+            add_fused_lm_head(
+                teacher_model, temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32
+            )
+            if self.is_deepspeed_enabled:
+                self.teacher_model = prepare_deepspeed(teacher_model, self.accelerator)
+            else:
+                self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
         self._forward_redirection = _ForwardRedirection()
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
@@ -158,6 +176,31 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             return
         self._source_generator.set_state(torch.load(path, weights_only=True)["source_generator"])
 
+    def _connect_teacher_server(self, teacher_path: str | None):
+        """A [`ServedTeacher`] on `args.teacher_model_server_url`, checked now: reachable, serving a model with the
+        student's vocabulary (and, when `teacher_path` names the teacher, the student's tokenizer). Every rank asks
+        for its own rows: no collective, and vLLM batches the ranks' concurrent requests itself."""
+        from .served_teacher import ServedTeacher
+
+        teacher_tokenizer = None
+        if teacher_path is not None:
+            try:
+                teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
+            except (OSError, ValueError):
+                pass  # a checkpoint without a tokenizer: the served vocabulary size is checked all the same
+        student = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        args = self.args
+        return ServedTeacher(
+            args.teacher_model_server_url,
+            self._tokenizer,
+            student.config.get_text_config().vocab_size,
+            teacher_tokenizer=teacher_tokenizer,
+            timeout=args.teacher_server_timeout,
+            max_retries=args.teacher_server_max_retries,
+            retry_backoff=args.teacher_server_retry_backoff,
+            chunk_size=args.teacher_server_chunk_size,
+        )
+
     # ----- rollouts: whose states -----------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         draws = torch.multinomial(self._source_probs, len(inputs), replacement=True, generator=self._source_generator)
@@ -185,8 +228,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         replacement = {}
         # Sources are drawn per rank, but teacher generation is collective under ZeRO-3 (parameter gathers, synced
         # decoding steps): when any rank has teacher rows, every rank generates, a rank without any on a stand-in row
-        # whose rollout it drops
-        if self._any_rank_has(teacher_rows):
+        # whose rollout it drops. A served teacher is asked by each rank for its own rows only.
+        if self.served_teacher is not None:
+            teacher_needed = bool(teacher_rows)
+        else:
+            teacher_needed = self._any_rank_has(teacher_rows)
+        if teacher_needed:
             prefixes = [prompt_ids[i] for i in teacher_rows] or prompt_ids[:1]
             rollouts = self._teacher_generate(prefixes, self.max_completion_length)
             replacement = dict(zip(teacher_rows, rollouts))
@@ -216,6 +263,18 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         includes) its first eos."""
         if not prefixes:
             return []
+        if self.served_teacher is not None:
+            return self.served_teacher.generate(
+                prefixes,
+                max_new_tokens,
+                self.eos_token_ids,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+                seed=int(torch.randint(2**31 - 1, (1,), generator=self._source_generator)),
+            )
         device = self.accelerator.device
         rows = [torch.tensor(p, dtype=torch.long) for p in prefixes]
         input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
@@ -271,7 +330,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     @torch.no_grad()
     def _teacher_logps(self, output: dict) -> torch.Tensor:
         """Teacher log-prob of every completion token, `(B, T)`, through the teacher's fused LM head, in chunks of
-        the per-device batch size (as GRPO scores its reference model)."""
+        the per-device batch size (as GRPO scores its reference model), or from the teacher server's prompt
+        log-probs."""
+        if self.served_teacher is not None:
+            return self.served_teacher.completion_logps(
+                output["prompt_ids"], output["prompt_mask"], output["completion_ids"], output["completion_mask"]
+            )
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         mode = "train" if self.model.training else "eval"

@@ -159,6 +159,7 @@ class _MicroBatchStates:
     records: StateRecords  # rank column filled in at collection time
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
+    supervised_mask: torch.Tensor  # (B, L)
     sequence_row: torch.Tensor  # (S,) row of each recorded sequence
     sequence_start: torch.Tensor  # (S,) first position of the sequence in its row (packed rows hold several)
     sequence_first: torch.Tensor  # (S,) first supervised position: the prompt ends just before it
@@ -289,6 +290,7 @@ class StateRecorderMixin:
                 records=records,
                 input_ids=input_ids.detach(),
                 attention_mask=None if attention_mask is None else attention_mask.detach(),
+                supervised_mask=supervised_mask,
                 sequence_row=row[recorded],
                 sequence_start=start[recorded],
                 sequence_first=first[recorded],
@@ -339,6 +341,7 @@ class StateRecorderMixin:
             )
             prompt_ids = ids[start:first][keep[start:first]]
             completion_ids = ids[first : last + 1][keep[first : last + 1]]
+            supervised_ids = ids[first : last + 1][part.supervised_mask[row, first : last + 1]]
             tokens = records.sequence == sequence_id
             teacher = records.teacher_logp[tokens]
             samples.append(
@@ -351,6 +354,7 @@ class StateRecorderMixin:
                     "completion": tokenizer.decode(completion_ids),
                     "reward": None if part.rewards is None else _finite_or_none(part.rewards[row].item()),
                     "num_supervised": int(tokens.sum()),
+                    "tokens": tokenizer.batch_decode(supervised_ids[:, None]),
                     "prefix_len": records.prefix_len[tokens].tolist(),
                     "logp": records.logp[tokens].tolist(),
                     "entropy": records.entropy[tokens].tolist(),

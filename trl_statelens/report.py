@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .evaluation import retention_summary
+from .states_html import write_states_page
 
 TARGET_TASK = "gsm8k"
 SCORE_COLUMNS = {"gsm8k": "GSM8K", "truthfulqa": "TruthfulQA", "mmlu": "MMLU"}
@@ -257,7 +257,7 @@ def fmt(value, spec: str) -> str:
 # ----- the report as blocks, rendered to Markdown and HTML ----------------------------------------------------------
 @dataclass
 class Block:
-    kind: str  # "heading", "text", "note", "table", "image"
+    kind: str  # "heading", "text", "note", "table", "image", "link" (text, then a link to `image`'s file name)
     text: str = ""
     header: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
@@ -284,6 +284,8 @@ def base_scores_for(runs: list[Run], base: Run | None) -> tuple[dict | None, str
 
 
 def table2(runs: list[Run], base_scores: dict | None, base_source: str) -> list[Block]:
+    from .evaluation import retention_summary  # imports torch: only when a report is written
+
     rows, notes = [], [base_source]
     if base_scores is not None:
         rows.append(["Base", *(fmt(base_scores.get(t), ".4f") for t in SCORE_COLUMNS), MISSING, MISSING, MISSING])
@@ -477,6 +479,8 @@ def plot_drift(runs, styles, out_dir) -> Path | None:
 
 
 def plot_tradeoff(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
+    from .evaluation import retention_summary
+
     points = []
     for run in runs:
         after = run.evaluation("after")
@@ -625,6 +629,8 @@ def markdown(blocks: list[Block]) -> str:
             lines.append("")
         elif block.kind == "image":
             lines += [f"### {block.text}", "", f"![{block.text}]({block.image.name})", ""]
+        elif block.kind == "link":
+            lines += [f"{block.text} [{block.image.name}]({block.image.name})", ""]
     return "\n".join(lines)
 
 
@@ -664,6 +670,9 @@ def html_page(blocks: list[Block]) -> str:
             data = base64.b64encode(block.image.read_bytes()).decode("ascii")
             body.append(f"<h3>{html.escape(block.text)}</h3>")
             body.append(f'<img alt="{html.escape(block.text)}" src="data:image/png;base64,{data}">')
+        elif block.kind == "link":
+            name = html.escape(block.image.name)
+            body.append(f'<p>{inline_code(block.text)} <a href="{name}">{name}</a></p>')
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>StateLens report</title>'
         f"<style>{HTML_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
@@ -700,24 +709,14 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
         + plot_blocks(runs, out_dir, base_scores)
         + run_notes(runs)
     )
+    states_path = write_states_page(runs, out_dir / "states.html")
+    blocks.insert(
+        0, Block("link", "The supervised states, token by token, in a browser (no server needed):", image=states_path)
+    )
     report_path = out_dir / "report.md"
     report_path.write_text(markdown(blocks), encoding="utf-8")
     (out_dir / "report.html").write_text(html_page(blocks), encoding="utf-8")
     return report_path
-
-
-def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The arguments of `statelens report`."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders written by the recipes")
-    parser.add_argument("--out", required=True, help="folder for report.md, report.html and the PNG plots")
-    parser.add_argument(
-        "--base",
-        default=None,
-        metavar="RUN_DIR",
-        help="run folder whose `after` scores form the Base row (e.g. an eval of the base model); "
-        "default: the first run's `before` scores",
-    )
-    return parser
 
 
 def run_report_cli(args: argparse.Namespace) -> int:
@@ -727,5 +726,7 @@ def run_report_cli(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"statelens report: error: {err}", file=sys.stderr)
         return 2
-    print(f"report written: {report_path} and {report_path.with_suffix('.html')}")
+    print(
+        f"report written: {report_path}, {report_path.with_suffix('.html')} and {report_path.parent / 'states.html'}"
+    )
     return 0

@@ -1,40 +1,32 @@
 """The offline lab: a procedurally generated world, a tokenizer trained on it and tiny Qwen3 models.
 
 `statelens lab build` writes everything under `lab_dir(seed)`; models and tokenizers there load with
-`from_pretrained` exactly as hub models do.
+`from_pretrained` exactly as hub models do. The names below are imported on first use, so reading what is cached
+(`lab_dir`, `lab_info`) does not import torch.
 """
 
-from .build import (
-    build_lab,
-    build_teacher,
-    evaluate_base,
-    lab_dir,
-    lab_home,
-    lab_info,
-    pretrain,
-    score_math,
-    score_multiple_choice,
-)
-from .model import MODEL_SIZES, build_model, build_qwen3
-from .tokenizer import CHAT_TEMPLATE, build_tokenizer
-from .world import LabWorld, check_math_answer, format_plain
+from .._lazy import lazy_exports
 
-__all__ = [
-    "CHAT_TEMPLATE",
-    "MODEL_SIZES",
-    "LabWorld",
-    "build_lab",
-    "build_model",
-    "build_qwen3",
-    "build_teacher",
-    "build_tokenizer",
-    "check_math_answer",
-    "evaluate_base",
-    "format_plain",
-    "lab_dir",
-    "lab_home",
-    "lab_info",
-    "pretrain",
-    "score_math",
-    "score_multiple_choice",
-]
+# public name -> submodule that defines it
+_EXPORTS = {
+    "build_lab": "build",
+    "build_teacher": "build",
+    "evaluate_base": "build",
+    "pretrain": "build",
+    "score_math": "build",
+    "score_multiple_choice": "build",
+    "lab_dir": "paths",
+    "lab_home": "paths",
+    "lab_info": "paths",
+    "MODEL_SIZES": "model",
+    "build_model": "model",
+    "build_qwen3": "model",
+    "CHAT_TEMPLATE": "tokenizer",
+    "build_tokenizer": "tokenizer",
+    "LabWorld": "world",
+    "check_math_answer": "world",
+    "format_plain": "world",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

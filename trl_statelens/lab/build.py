@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .model import build_model
+from .paths import lab_dir
 from .tokenizer import build_tokenizer
 from .world import LabWorld, format_plain
 
@@ -32,16 +32,6 @@ _FINAL = re.compile(r"#### (-?\d+)")
 def _say(message: str) -> None:
     tqdm.write(message)  # keeps progress bars intact
     sys.stdout.flush()  # and reaches a redirected log at once
-
-
-def lab_home() -> Path:
-    """Where the lab is cached: ``$STATELENS_HOME/lab`` (default ``~/.cache/trl_statelens/lab``)."""
-    root = os.environ.get("STATELENS_HOME") or Path.home() / ".cache" / "trl_statelens"
-    return Path(root) / "lab"
-
-
-def lab_dir(seed: int = 0) -> Path:
-    return lab_home() / f"seed{seed}"
 
 
 # ----- the lab's own scorers (the evaluation module checks itself against these) -------------------------------
@@ -312,8 +302,3 @@ def write_data(world: LabWorld, out: Path, math_train_size: int = 2000) -> None:
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def lab_info(seed: int = 0) -> dict | None:
-    path = lab_dir(seed) / "info.json"
-    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,135 @@
+"""In-process teacher vs a teacher behind a server (`teacher_model_server_url`), side by side in one run.
+
+The student is bench_opd's shape; the teacher is about 7x its parameters (wider and deeper), as real OPD teachers are
+several times their students. The served arm talks to `tests/vllm_test_server.py` (the CPU stand-in for `vllm serve`,
+one torch thread) started once as its own process on this machine, so its compute competes for the same cores: the
+step-time ratio here prices the HTTP round trips and JSON on top of the same teacher forward, not a GPU deployment,
+where the teacher runs on its own device. Both arms train `reverse_kl` with the same seed, so they sample the same
+rollouts: their logged `teacher_kl` must agree (a parity check on the lab-like run, printed with the table).
+
+Training-process memory is the peak RSS of the training process (teacher weights included when in-process); the
+server's own peak RSS is reported beside it.
+
+    .venv/bin/python bench/bench_served_teacher.py [--repeats 3] [--steps 4]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import (
+    CPU_ARGS,
+    count_parameters,
+    print_table,
+    ratio_row,
+    run_forked,
+    say,
+    train_and_measure,
+    write_results,
+)
+from datasets import Dataset
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
+
+STUDENT = dict(hidden=256, layers=4, ffn=1024)
+TEACHER = dict(hidden=512, layers=8, ffn=2048)
+ROLLOUTS_PER_STEP = 8
+NUM_GENERATIONS = 2
+COMPLETION_TOKENS = 32
+WARMUP_STEPS = 1
+ARMS = ("in_process", "served")
+SERVER = Path(__file__).resolve().parents[1] / "tests" / "vllm_test_server.py"
+
+
+def run_arm(arm, student_path, teacher_path, url, dataset, steps):
+    trainer = OnPolicyDistillTrainer(
+        model=student_path,
+        teacher_model=teacher_path if arm == "in_process" else None,
+        args=OnPolicyDistillConfig(
+            output_dir=tempfile.mkdtemp(prefix=f"bench-served-{arm}-"),
+            max_steps=WARMUP_STEPS + steps,
+            per_device_train_batch_size=ROLLOUTS_PER_STEP,
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=COMPLETION_TOKENS,
+            temperature=1.0,
+            generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
+            teacher_model_server_url=url if arm == "served" else None,
+            **CPU_ARGS,
+        ),
+        train_dataset=dataset,
+    )
+    result = train_and_measure(trainer, {}, WARMUP_STEPS)
+    result["teacher_kl"] = [e["teacher_kl"] for e in trainer.state.log_history if "teacher_kl" in e]
+    return result
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise KeyError("VmHWM")
+
+
+def main(repeats: int = 3, steps: int = 4) -> dict:
+    world = LabWorld(seed=0)
+    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
+    rows = world.math("train", n=256, seed=7)
+    dataset = Dataset.from_dict({"prompt": [format_plain(r["question"]) for r in rows]})
+    model_dir = tempfile.mkdtemp(prefix="bench-served-models-")
+    paths, setup = {}, {}
+    for name, shape, seed in (("student", STUDENT, 0), ("teacher", TEACHER, 1)):
+        model = build_qwen3(tokenizer, **shape, seed=seed)
+        paths[name] = f"{model_dir}/{name}"
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+        setup[f"{name}_params"] = count_parameters(model)
+
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER), paths["teacher"], "--threads", "1"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = server.stdout.readline().strip()
+        say(f"teacher server at {url} (pid {server.pid})")
+        runs = {arm: [] for arm in ARMS}
+        for repeat in range(repeats):
+            for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
+                start = time.perf_counter()
+                runs[arm].append(run_forked(run_arm, arm, paths["student"], paths["teacher"], url, dataset, steps))
+                say(f"repeat {repeat} {arm}: {time.perf_counter() - start:.0f}s")
+        setup["server_peak_rss_mb"] = peak_rss_mb(server.pid)
+    finally:
+        server.terminate()
+        server.wait()
+
+    median = {arm: [statistics.median(r["step_seconds"]) for r in runs[arm]] for arm in ARMS}
+    rss = {arm: [r["peak_rss_mb"] for r in runs[arm]] for arm in ARMS}
+    rows = [
+        ratio_row("step time, served / in-process", [s / i for s, i in zip(median["served"], median["in_process"])]),
+        ratio_row("training-process peak RSS, served / in-process", [s / i for s, i in zip(rss["served"], rss["in_process"])]),
+        ratio_row("step seconds, in-process", median["in_process"]),
+        ratio_row("step seconds, served", median["served"]),
+        ratio_row("training-process peak RSS MB, in-process", rss["in_process"]),
+        ratio_row("training-process peak RSS MB, served", rss["served"]),
+    ]  # fmt: skip
+    print_table(f"served teacher ({setup})", rows)
+    kl_gap = max(
+        abs(a - b)
+        for i, s in zip(runs["in_process"], runs["served"])
+        for a, b in zip(i["teacher_kl"], s["teacher_kl"])
+    )
+    print(f"largest |teacher_kl served - in-process| over all steps and repeats: {kl_gap:.2e}")
+    results = {"setup": setup, "runs": runs, "rows": rows, "teacher_kl_max_abs_diff": kl_gap}
+    say(f"results: {write_results('served_teacher', results)}")
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    main(**vars(parser.parse_args()))

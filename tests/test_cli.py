@@ -1,0 +1,88 @@
+"""The `statelens` command imports only what each command needs; `import trl_statelens` still gives every name."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trl_statelens
+from trl_statelens import lab
+from trl_statelens.cli import main as statelens
+
+HEAVY = ("torch", "transformers", "trl", "datasets", "accelerate", "pandas", "matplotlib", "peft", "deepspeed")
+
+# Runs the CLI in a fresh interpreter and prints which heavy top-level packages it imported.
+PROBE = """
+import contextlib, io, json, sys
+from trl_statelens.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        code = main({argv!r})
+    except SystemExit as exit:
+        code = exit.code
+heavy = sorted({{name.split(".")[0] for name in sys.modules}} & set({heavy!r}))
+print(json.dumps({{"code": code, "heavy": heavy, "out": out.getvalue()}}))
+"""
+
+INFO = {
+    "size": "test",
+    "parameters": 123456,
+    "pretrain_steps": 20,
+    "build_seconds": 12.0,
+    "test_scores": {"math": 0.2, "kb": 1.0, "truth": 0.9},
+    "in_band": True,
+}
+
+
+def run_cli(argv, env_home):
+    code = PROBE.format(argv=argv, heavy=HEAVY)
+    env = {"STATELENS_HOME": str(env_home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = str(Path(trl_statelens.__file__).parents[1])  # this checkout, not an installed copy
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--help"], "{lab,eval,report}"),
+        (["report", "--help"], "--base RUN_DIR"),
+        (["lab", "info"], "math 0.200  kb (MMLU analog) 1.000"),
+        (["lab", "info", "--json"], '"pretrain_steps": 20'),
+    ],
+)
+def test_light_commands_import_no_heavy_package(tmp_path, argv, expect):
+    (tmp_path / "lab" / "seed0").mkdir(parents=True)
+    (tmp_path / "lab" / "seed0" / "info.json").write_text(json.dumps(INFO))
+    result = run_cli(argv, tmp_path)
+    assert result["code"] in (0, None)
+    assert expect in result["out"]
+    assert result["heavy"] == [], f"`statelens {' '.join(argv)}` imported {result['heavy']}"
+
+
+def test_eval_arguments_still_parse(capsys):
+    with pytest.raises(SystemExit) as exit:
+        statelens(["eval", "--help"])
+    assert exit.value.code == 0
+    assert "--model MODEL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", [trl_statelens, lab])
+def test_every_public_name_resolves(module):
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+        assert name in dir(module)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        module.not_a_name  # noqa: B018
+
+
+def test_import_star_and_from_import():
+    namespace = {}
+    exec("from trl_statelens import *", namespace)
+    assert {"StateLensSFTTrainer", "OnPolicyDistillTrainer", "StateLoggingCallback"} <= set(namespace)
+    from trl_statelens import StateLensGRPOTrainer, StateRecorderMixin
+
+    assert issubclass(StateLensGRPOTrainer, StateRecorderMixin)

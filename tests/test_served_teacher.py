@@ -1,0 +1,343 @@
+"""`ServedTeacher` against `tests/vllm_test_server.py`, a CPU stand-in for `vllm serve` speaking vLLM's wire format."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cpu_settings import CPU
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from vllm_test_server import TestTeacherServer
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens.served_teacher import ServedTeacher, TeacherServerError
+
+TWO_RANKS = Path(__file__).parent / "scripts" / "served_teacher_two_ranks.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def teacher_server(teacher_path):
+    with TestTeacherServer(teacher_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def teacher(teacher_path):
+    return AutoModelForCausalLM.from_pretrained(teacher_path).eval()
+
+
+def served(url, tokenizer, **kwargs):
+    kwargs = {"timeout": 5.0, "retry_backoff": 0.01, **kwargs}
+    return ServedTeacher(url, tokenizer, len(tokenizer), **kwargs)
+
+
+def _sequences(tokenizer):
+    texts = ["Question: 3 + 4 = ? Answer: 7", "The capital of the lab is", "12 * 3 is 36, so"]
+    return [tokenizer(t)["input_ids"] for t in texts], [4, 2, 5]
+
+
+def test_logps_are_the_teachers_exact_log_probs(teacher_server, teacher, tokenizer):
+    sequences, starts = _sequences(tokenizer)
+    logps = served(teacher_server.url, tokenizer, chunk_size=2).logps(sequences, starts)
+    for row, sequence, start in zip(logps, sequences, starts):
+        with torch.no_grad():
+            expected = teacher(torch.tensor([sequence])).logits[0, :-1].float().log_softmax(-1)
+        expected = expected[torch.arange(len(sequence) - 1), torch.tensor(sequence[1:])][start - 1 :]
+        torch.testing.assert_close(torch.tensor(row), expected, atol=1e-5, rtol=1e-5)
+    assert served(teacher_server.url, tokenizer).logps([], []) == []
+
+
+def test_greedy_continuations_are_the_teachers_from_each_prefix(teacher_server, teacher, tokenizer):
+    prefixes, _ = _sequences(tokenizer)
+    eos = [tokenizer.eos_token_id]
+    continuations = served(teacher_server.url, tokenizer).generate(prefixes, 6, eos, temperature=0.0)
+    for prefix, continuation in zip(prefixes, continuations):
+        out = teacher.generate(torch.tensor([prefix]), max_new_tokens=6, do_sample=False, eos_token_id=eos)
+        expected = out[0, len(prefix) :].tolist()
+        assert continuation == (expected[: expected.index(eos[0]) + 1] if eos[0] in expected else expected)
+
+
+def test_sampled_continuations_follow_the_seed_and_stop_at_eos(teacher_server, tokenizer):
+    client = served(teacher_server.url, tokenizer)
+    prefixes, _ = _sequences(tokenizer)
+    first = client.generate(prefixes, 8, [tokenizer.eos_token_id], top_k=20, seed=3)
+    assert first == client.generate(prefixes, 8, [tokenizer.eos_token_id], top_k=20, seed=3)
+    assert all(1 <= len(c) <= 8 for c in first)
+    # An eos id the server does not stop at still ends the continuation, where the student's eos is
+    stop = first[0][1]
+    cut = client.generate(prefixes[:1], 8, [stop], top_k=20, seed=3)[0]
+    assert cut == first[0][: first[0].index(stop) + 1]
+
+
+def test_unreachable_server_fails_fast_with_a_clear_error(tokenizer):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there once the probe socket closed
+    with pytest.raises(TeacherServerError, match=r"not usable after 1s: cannot connect.*vllm serve"):
+        served(url, tokenizer, timeout=1.0)
+
+
+@pytest.mark.parametrize("extra_tokens", [64, -8])
+def test_served_vocabulary_must_be_the_students(teacher_path, tokenizer, extra_tokens):
+    with TestTeacherServer(teacher_path, vocab_size=len(tokenizer) + extra_tokens) as server:
+        message = "vocabulary of 1088 tokens, the student 1024" if extra_tokens > 0 else "out of its vocabulary"
+        with pytest.raises(TeacherServerError, match=message):
+            served(server.url, tokenizer)
+
+
+def test_teacher_tokenizer_must_map_tokens_like_the_students(teacher_server, tokenizer, tokenizer_path, tmp_path):
+    served(teacher_server.url, tokenizer, teacher_tokenizer=str(tokenizer_path))  # the same tokenizer passes
+    other = AutoTokenizer.from_pretrained(tokenizer_path)
+    other.add_tokens(["<|tool|>"])  # same size of output layer on the server, one more token in the tokenizer
+    with pytest.raises(TeacherServerError, match="maps tokens to ids differently"):
+        served(teacher_server.url, tokenizer, teacher_tokenizer=other)
+
+
+def test_a_server_capping_log_probs_names_the_flag(teacher_path, tokenizer):
+    with TestTeacherServer(teacher_path, max_logprobs=20) as server:  # vLLM's default cap
+        with pytest.raises(TeacherServerError, match=r"max allowed: 20.*--max-logprobs -1"):
+            served(server.url, tokenizer)
+
+
+def test_transient_failures_are_retried_then_reported(teacher_path, tokenizer):
+    sequences, starts = _sequences(tokenizer)
+    # The probe is request 1; the next two scoring requests fail with 503 and the third attempt succeeds
+    with TestTeacherServer(teacher_path, fail_after=1, fail_times=2) as server:
+        client = served(server.url, tokenizer, max_retries=2)
+        logps = client.logps(sequences, starts)
+        assert client.retries == 2 and server.failed == 2
+        assert [len(row) for row in logps] == [len(s) - start for s, start in zip(sequences, starts)]
+    with TestTeacherServer(teacher_path, fail_after=1) as server:  # fails from then on
+        client = served(server.url, tokenizer, max_retries=2)
+        with pytest.raises(TeacherServerError, match=r"failed scoring 3 times in a row \(last: HTTP 503.*checkpoint"):
+            client.logps(sequences, starts)
+        assert server.failed == 3
+
+
+def test_requests_the_server_rejects_are_not_retried(teacher_server, tokenizer):
+    client = served(teacher_server.url, tokenizer)
+    before = teacher_server.requests
+    with pytest.raises(TeacherServerError, match=r"rejected generation: HTTP 400.*maximum context length"):
+        client.generate([[1, 2, 3]], teacher_server.max_model_len, [tokenizer.eos_token_id])
+    assert teacher_server.requests == before + 1 and client.retries == 0
+
+
+# ----- OnPolicyDistillTrainer with teacher_model_server_url -----------------------------------------------------------
+def opd_config(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=16,
+        learning_rate=1e-3,
+        teacher_server_retry_backoff=0.01,
+    )
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+
+
+def log_history(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def spy_batches(trainer):
+    batches = []
+    original = trainer._generate_and_score_completions
+
+    def spy(inputs):
+        batches.append(original(inputs))
+        return batches[-1]
+
+    trainer._generate_and_score_completions = spy
+    return batches
+
+
+def test_reverse_kl_through_the_server_matches_the_in_process_teacher(
+    tmp_path, teacher_server, student_path, teacher_path, math_dataset
+):
+    runs = {}
+    for name, teacher, kwargs in (
+        ("local", str(teacher_path), {}),
+        ("served", None, {"teacher_model_server_url": teacher_server.url}),
+    ):
+        trainer = OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=teacher,
+            args=opd_config(tmp_path / name, **kwargs),
+            train_dataset=math_dataset,
+            callbacks=[StateLoggingCallback()],
+        )
+        batches = spy_batches(trainer)
+        trainer.train()
+        runs[name] = (trainer, batches[0])
+    (local, local_batch), (served_trainer, served_batch) = runs["local"], runs["served"]
+    assert served_trainer.teacher_model is None  # no teacher weights in the training process
+    assert torch.equal(local_batch["completion_ids"], served_batch["completion_ids"])  # the same rollouts
+    mask = local_batch["completion_mask"].bool()
+    assert mask.sum() > 50
+    torch.testing.assert_close(served_batch["teacher_logps"], local_batch["teacher_logps"], atol=1e-5, rtol=1e-5)
+    for key in ("loss", "teacher_kl", "teacher_nll", "grad_norm"):
+        assert log_history(served_trainer, key) == pytest.approx(log_history(local, key), rel=1e-4, abs=1e-6), key
+    ledgers = [read_jsonl(tmp_path / name / "statelens" / "steps.jsonl") for name in ("local", "served")]
+    assert ledgers[1][0]["teacher_kl"] == pytest.approx(ledgers[0][0]["teacher_kl"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_continuation_and_teacher_states_train_through_the_server(
+    tmp_path, teacher_server, student_path, math_dataset
+):
+    before = teacher_server.requests
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=None,
+        args=opd_config(
+            tmp_path,
+            teacher_model_server_url=teacher_server.url,
+            max_steps=2,
+            signal="continuation",
+            continuation_length=6,
+            state_source_mix={"learner": 0.5, "teacher": 0.5},
+        ),
+        train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    batches = spy_batches(trainer)
+    trainer.train()
+    # the vocabulary probe, then per step: teacher rollouts (when a row drew the teacher), continuations, scoring
+    assert 1 + 2 * 2 <= teacher_server.requests - before <= 1 + 2 * 3
+    for batch in batches:
+        continuation = batch["loss_mask"].sum(1)
+        assert (continuation >= 1).all() and (continuation <= 6).all()
+    assert all(torch.isfinite(torch.tensor(log_history(trainer, "loss"))))
+    assert any(not torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
+    states = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+    assert {s["source"] for s in states} == {"learner", "teacher"}
+
+
+def test_divergence_and_other_temperatures_are_rejected_with_a_server(tmp_path):
+    with pytest.raises(ValueError, match="divergence.*full next-token distribution"):
+        opd_config(tmp_path, signal="divergence", teacher_model_server_url="http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="temperature=0.7.*temperature 1"):
+        opd_config(tmp_path, temperature=0.7, teacher_model_server_url="http://127.0.0.1:8000")
+
+
+def test_a_teacher_instance_with_a_server_is_refused(tmp_path, student_path, tokenizer, math_dataset):
+    from trl_statelens.lab import build_model
+
+    args = opd_config(tmp_path, teacher_model_server_url="http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="must not be a model instance"):
+        OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=build_model("test", tokenizer),
+            args=args,
+            train_dataset=math_dataset,
+        )
+
+
+def test_unreachable_server_fails_before_training(tmp_path, student_path, math_dataset):
+    args = opd_config(tmp_path, teacher_model_server_url=f"http://127.0.0.1:{free_port()}", teacher_server_timeout=0.5)
+    with pytest.raises(TeacherServerError, match="cannot connect"):
+        OnPolicyDistillTrainer(model=str(student_path), args=args, train_dataset=math_dataset)
+
+
+@pytest.mark.slow
+def test_server_failing_mid_run_leaves_ledger_and_checkpoint_for_a_resume(
+    tmp_path, teacher_path, student_path, math_dataset
+):
+    def trainer_for(url, **kwargs):
+        return OnPolicyDistillTrainer(
+            model=str(student_path),
+            args=opd_config(
+                tmp_path,
+                teacher_model_server_url=url,
+                teacher_server_max_retries=1,
+                save_strategy="steps",
+                save_steps=1,
+                **kwargs,
+            ),
+            train_dataset=math_dataset,
+            callbacks=[StateLoggingCallback()],
+        )
+
+    # requests: the vocabulary probe, one scoring request per step; step 3's scoring fails, and its retry
+    with TestTeacherServer(teacher_path, fail_after=3) as server:
+        trainer = trainer_for(server.url, max_steps=4)
+        with pytest.raises(TeacherServerError, match="failed scoring 2 times in a row"):
+            trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    assert [s["step"] for s in read_jsonl(tmp_path / "statelens" / "steps.jsonl")] == [1, 2]
+    # once the server is back, the run resumes from the last checkpoint and the ledger continues
+    with TestTeacherServer(teacher_path) as server:
+        trainer_for(server.url, max_steps=3).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert [s["step"] for s in read_jsonl(tmp_path / "statelens" / "steps.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_recipe_with_a_served_teacher_writes_the_in_process_ledger(
+    tmp_path, monkeypatch, teacher_server, student_path, teacher_path
+):
+    from test_recipes import RECIPE_FLAGS, run_in_process
+
+    flags = ["--model_name_or_path", str(student_path), "--eval_before", "false", "--eval_limit", "1",
+             "--eval_max_new_tokens", "4", "--num_probes", "0", "--logging_steps", "1", "--max_steps", "2",
+             *RECIPE_FLAGS["opd"]]  # fmt: skip
+    teachers = {
+        "local": ["--teacher_model_name_or_path", str(teacher_path)],
+        "served": ["--teacher_model_server_url", teacher_server.url],  # the lab teacher is not built
+    }
+    results = {
+        name: run_in_process("opd", [*flags, *teacher, "--output_dir", str(tmp_path / name)], monkeypatch)
+        for name, teacher in teachers.items()
+    }
+    assert results["served"]["teacher"] == teacher_server.url
+    assert results["served"]["distributed"]["teacher_engine"] is None
+    kl = {
+        name: [s["teacher_kl"] for s in read_jsonl(tmp_path / name / "statelens" / "steps.jsonl")] for name in teachers
+    }
+    assert len(kl["served"]) == 2 and kl["served"] == pytest.approx(kl["local"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_two_ranks_score_their_own_rows_through_the_server(tmp_path, teacher_server, teacher, student_path):
+    accelerate = Path(sys.executable).parent / "accelerate"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    before = teacher_server.requests
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(TWO_RANKS), str(student_path), teacher_server.url, str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert all(rank["world_size"] == 2 for rank in ranks)
+    # each rank sent its vocabulary probe and one scoring request per step, for its own rows
+    assert teacher_server.requests - before == 2 * (1 + 2)
+    assert ranks[0]["batches"][0]["completion_ids"] != ranks[1]["batches"][0]["completion_ids"]
+    for rank in ranks:
+        for batch in rank["batches"]:  # the log-probs each rank trained on are the teacher's own on its rows
+            b = {key: torch.tensor(value) for key, value in batch.items()}
+            input_ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
+            attention_mask = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
+            with torch.no_grad():
+                logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+            num_completion = b["completion_ids"].size(1)
+            expected = logits.log_softmax(-1)[:, -num_completion:].gather(-1, b["completion_ids"][..., None])
+            expected = expected.squeeze(-1) * b["completion_mask"]
+            torch.testing.assert_close(b["teacher_logps"], expected, atol=1e-4, rtol=1e-4)
+    assert len(ranks[0]["teacher_kl"]) == 2 and ranks[0]["teacher_kl"] == ranks[1]["teacher_kl"]  # gathered

@@ -1,0 +1,272 @@
+"""A teacher served by vLLM (`vllm serve`), reached through TRL's `VLLMClient`.
+
+[`ServedTeacher`] checks the server before any training work (reachable, serves a model, same vocabulary as the
+student), then answers the two questions on-policy distillation asks a teacher: the log-prob of given tokens
+(exact: vLLM's prompt log-probs always include the actual token, whatever its rank) and continuations of given
+token prefixes. Failed requests are retried a bounded number of times with exponential backoff when the failure
+can pass (no connection, timeout, 5xx, 429), then raise [`TeacherServerError`]; a request the server rejects
+(4xx) raises at once, with the server's message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from contextlib import contextmanager
+from unittest import mock
+
+import requests
+import torch
+import trl.generation.vllm_client as trl_vllm_client
+from requests.adapters import HTTPAdapter
+from transformers import AutoTokenizer
+from trl.generation.vllm_client import VLLMClient
+
+SERVE_HINT = (
+    "Start the teacher with `vllm serve TEACHER --max-logprobs -1 --max-model-len N` (README: 'A teacher served by "
+    "vLLM') and pass its address as teacher_model_server_url, e.g. http://HOST:8000."
+)
+
+
+class TeacherServerError(RuntimeError):
+    """The teacher server cannot be used or stopped answering: the message says why and what to do."""
+
+
+@contextmanager
+def _client_without_local_vllm():
+    """TRL's `VLLMClient` refuses to start unless vLLM is importable, though its module-level vLLM imports only serve
+    weight synchronisation (NCCL), which a teacher client never uses. A training machine that only talks HTTP to the
+    teacher need not install vLLM."""
+    if importlib.util.find_spec("vllm") is not None:
+        yield
+    else:
+        with mock.patch.object(trl_vllm_client, "is_vllm_available", return_value=True):
+            yield
+
+
+class _TimeoutAdapter(HTTPAdapter):
+    """No urllib3 retries (ours are bounded and reported) and a timeout on every request (TRL's client sets none)."""
+
+    def __init__(self, timeout: float, pool_maxsize: int):
+        super().__init__(max_retries=0, pool_maxsize=pool_maxsize)
+        self.timeout = timeout
+
+    def send(self, request, **kwargs):
+        kwargs["timeout"] = kwargs.get("timeout") or self.timeout
+        return super().send(request, **kwargs)
+
+
+def _raise_for_status(response, *args, **kwargs):
+    response.raise_for_status()  # an HTTPError that keeps the status code, where TRL's client raises a bare Exception
+
+
+def _transient(error: Exception) -> bool:
+    if isinstance(error, (requests.ConnectionError, requests.Timeout)):
+        return True
+    if isinstance(error, requests.HTTPError) and error.response is not None:
+        return error.response.status_code >= 500 or error.response.status_code in (408, 429)
+    return False
+
+
+def _server_message(error: Exception) -> str:
+    if isinstance(error, requests.HTTPError) and error.response is not None:
+        return f"HTTP {error.response.status_code}: {error.response.text[:500]}"
+    return f"{type(error).__name__}: {error}"
+
+
+class ServedTeacher:
+    """The teacher of on-policy distillation behind a vLLM server.
+
+    Args:
+        base_url (`str`): the server's address, e.g. `"http://localhost:8000"`.
+        student_tokenizer: the student's tokenizer.
+        student_vocab_size (`int`): rows of the student's output layer; the served model must have as many.
+        teacher_tokenizer (`str` or tokenizer, *optional*): the teacher's tokenizer (or its path/hub id). Given, its
+            vocabulary must map every token to the same id as the student's. Without it only the vocabulary size is
+            compared, by a full-vocabulary prompt log-prob probe.
+        timeout (`float`): seconds to wait for the server to come up and for each answer.
+        max_retries (`int`): retries of a request that failed in a way that can pass.
+        retry_backoff (`float`): seconds before the first retry, doubled for each further one.
+        chunk_size (`int`): sequences per scoring request (`0`: one request per call), sent on up to
+            `max_concurrent_requests` threads, as TRL's `get_sequence_logprobs` does.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        student_tokenizer,
+        student_vocab_size: int,
+        teacher_tokenizer=None,
+        timeout: float = 300.0,
+        max_retries: int = 3,
+        retry_backoff: float = 2.0,
+        chunk_size: int = 0,
+        max_concurrent_requests: int = 4,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.max_retries, self.retry_backoff = max_retries, retry_backoff
+        self.chunk_size, self.max_concurrent_requests = chunk_size, max_concurrent_requests
+        self.retries = 0  # requests repeated after a transient failure, over this object's life
+        self._wait_until_healthy(timeout)
+        try:
+            with _client_without_local_vllm():
+                self.client = VLLMClient(base_url=self.base_url, connection_timeout=timeout)
+        except Exception as error:  # TRL's client raises bare `Exception`s, or a KeyError/IndexError on an odd answer
+            raise TeacherServerError(
+                f"the server at {self.base_url} answers /health but names no model at /v1/models ({error!r}): is it "
+                f"a vLLM server? {SERVE_HINT}"
+            ) from error
+        adapter = _TimeoutAdapter(timeout, pool_maxsize=max(4, max_concurrent_requests))
+        self.client.session.mount("http://", adapter)
+        self.client.session.mount("https://", adapter)
+        self.client.session.hooks["response"] = [_raise_for_status]
+        self.model = self.client.model
+        self._check_vocabulary(student_tokenizer, student_vocab_size, teacher_tokenizer)
+
+    # ----- checks before training -----------------------------------------------------------------------------------
+    def _wait_until_healthy(self, timeout: float) -> None:
+        """vLLM answers `/health` with 200 once its engine runs (503 once it died). TRL's check retries a non-200
+        answer forever; this one gives up after `timeout` seconds with the reason."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                response = requests.get(f"{self.base_url}/health", timeout=max(1.0, min(timeout, 30.0)))
+                if response.status_code == 200:
+                    return
+                reason = f"/health answered HTTP {response.status_code}"
+            except requests.RequestException as error:
+                reason = f"cannot connect ({type(error).__name__})"
+            if time.monotonic() >= deadline:
+                raise TeacherServerError(
+                    f"the teacher server at {self.base_url} is not usable after {timeout:.0f}s: {reason}. {SERVE_HINT}"
+                )
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+
+    def _check_vocabulary(self, student_tokenizer, student_vocab_size: int, teacher_tokenizer) -> None:
+        hint = "Serve a teacher with the student's tokenizer (TRL's GOLDTrainer distils across tokenizers)."
+        if teacher_tokenizer is not None:
+            name = teacher_tokenizer if isinstance(teacher_tokenizer, str) else type(teacher_tokenizer).__name__
+            if isinstance(teacher_tokenizer, str):
+                teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tokenizer)
+            if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+                raise TeacherServerError(
+                    f"the teacher's tokenizer ({name}) maps tokens to ids differently from the student's: the same ids "
+                    f"would mean different text to each model. {hint}"
+                )
+        # Score the largest student id with the whole vocabulary: the entries at that position are the served
+        # model's vocabulary (vLLM returns every token for prompt_logprobs=-1).
+        probe = [0, student_vocab_size - 1]
+        payload = {"model": self.model, "prompt": [probe], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": -1}
+        try:
+            choice = self._request(
+                "a vocabulary probe", self.client.session.post, f"{self.base_url}/v1/completions", json=payload
+            ).json()["choices"][0]
+        except TeacherServerError as error:
+            if "out of vocabulary" in str(error):
+                raise TeacherServerError(
+                    f"the served model {self.model!r} has fewer tokens than the student ({student_vocab_size}): id "
+                    f"{student_vocab_size - 1} is out of its vocabulary. {hint}"
+                ) from error
+            raise
+        served_vocab = len(choice["prompt_logprobs"][1])
+        if served_vocab != student_vocab_size:
+            raise TeacherServerError(
+                f"the served model {self.model!r} has a vocabulary of {served_vocab} tokens, the student "
+                f"{student_vocab_size}: on-policy distillation scores the student's tokens with the teacher, so both "
+                f"must share a vocabulary. {hint}"
+            )
+
+    # ----- requests -----------------------------------------------------------------------------------------------
+    def _request(self, what: str, send, *args, **kwargs):
+        """`send(*args, **kwargs)`, repeated up to `max_retries` times after failures that can pass."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return send(*args, **kwargs)
+            except requests.RequestException as error:
+                if not _transient(error):
+                    raise TeacherServerError(
+                        f"the teacher server at {self.base_url} rejected {what}: {_server_message(error)}. "
+                        "Check the server's flags against the README ('A teacher served by vLLM'): --max-logprobs -1, "
+                        "--max-model-len at least the longest prompt plus completion."
+                    ) from error
+                if attempt == self.max_retries:
+                    raise TeacherServerError(
+                        f"the teacher server at {self.base_url} failed {what} {attempt + 1} times in a row (last: "
+                        f"{_server_message(error)}); giving up. Training stopped before this step's update: the state "
+                        "ledger and the last checkpoint are as they were. Restart the server, then resume from the "
+                        "checkpoint."
+                    ) from error
+                self.retries += 1
+                time.sleep(self.retry_backoff * 2**attempt)
+
+    def logps(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
+        """The teacher's log-prob of each token of `sequences[i][prompt_lengths[i]:]` given the tokens before it,
+        at temperature 1 (vLLM scores prompts with unscaled logits, whatever the request's temperature)."""
+        if not sequences:
+            return []
+        result = self._request(
+            "scoring",
+            self.client.get_sequence_logprobs,
+            sequences,
+            prompt_lengths,
+            top_logprobs=0,  # the actual token only: vLLM always returns it, so nothing is truncated
+            chunk_size=self.chunk_size,
+            max_concurrent_requests=self.max_concurrent_requests,
+        )
+        logps = [[position[0] for position in row] for row in result["actual_logprobs"]]
+        for row, sequence, start in zip(logps, sequences, prompt_lengths, strict=True):
+            if len(row) != len(sequence) - start or any(math.isinf(v) for v in row):
+                raise TeacherServerError(
+                    f"the teacher server at {self.base_url} answered without the log-prob of every given token "
+                    f"({len(row)} values for {len(sequence) - start} tokens, or a missing token): is it vLLM?"
+                )
+        return logps
+
+    def completion_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        """The teacher's log-prob of every completion token, `(B, T)` like `completion_ids`, 0 at padding: what an
+        in-process teacher forward gives (at temperature 1). Prompts are left-padded, completions right-padded, as
+        in TRL's GRPO batches; each row is sent without its padding."""
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        lengths = completion_mask.sum(1).tolist()
+        completions = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]
+        rows = self.logps([p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts])
+        logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            logps[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        return logps.to(completion_ids.device)
+
+    def generate(
+        self,
+        prefixes: list[list[int]],
+        max_tokens: int,
+        eos_token_ids: list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """The teacher's continuation of each token prefix, at most `max_tokens` tokens sampled with the given
+        settings, ending at (and including) its first token in `eos_token_ids`."""
+        if not prefixes:
+            return []
+        result = self._request(
+            "generation",
+            self.client.generate,
+            prefixes,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k if top_k else 0,
+            min_p=min_p or 0.0,
+            repetition_penalty=repetition_penalty,
+            max_tokens=max_tokens,
+            logprobs=None,
+            generation_kwargs=None if seed is None else {"seed": seed},
+        )
+        continuations = []
+        for row in result["completion_ids"]:
+            ends = [j for j, token in enumerate(row) if token in eos_token_ids]
+            continuations.append(row[: ends[0] + 1] if ends else row)
+        return continuations

@@ -1,0 +1,690 @@
+"""`states.html`: a self-contained page to browse the supervised states of one or several runs.
+
+`statelens report` writes it next to `report.html`. Everything is inlined (data as JSON, hand-written JavaScript and
+SVG, no library, no network), so it works opened from disk. It shows:
+
+- sequences sampled from each run's `statelens/states.jsonl`: the prompt in grey, then each supervised token coloured
+  by the chosen quantity (state source, learner log-prob, teacher log-prob, the gap `log p_S - log p_T`, weight or
+  advantage, entropy); hovering a token shows its values and prefix length;
+- filters by run, step range, source and reward, and a sort by off-policy gap or teacher KL, 40 sequences a page;
+- per run, the prefix-length histogram over steps as a heatmap (from `steps.jsonl`), and state and drift metrics
+  over steps; dragging across a chart or the heatmap sets the step filter, double-click clears it.
+
+The filter lives in the URL's `#fragment` (`#source=learner&steps=10-20&color=gap&sort=kl`), so a view can be
+shared or opened directly.
+
+A big ledger is sampled, not embedded whole: at most `max_sequences` sequences and `max_tokens` tokens in all, spread
+evenly over each run's ledger lines (the page says how many it shows out of how many). Per-token values are
+rounded to 3 decimals (entropy 2). The page renders one page of sequences at a time, so it stays responsive
+whatever the ledger size (measured in `tests/test_states_html.py`'s notes and the README).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+STATE_SOURCES = ("dataset", "learner", "teacher")  # as in records.py, which imports torch: not imported here
+MAX_SEQUENCES = 2000
+MAX_TOKENS = 300_000
+MAX_PROMPT_CHARS = 2000  # longer prompts keep their end, where the state begins
+STEP_METRICS = (
+    ("state_nll", "state_nll (nats)"),
+    ("offpolicy_gap", "offpolicy_gap (nats)"),
+    ("teacher_kl", "teacher_kl (nats)"),
+    ("source_frac/learner", "share of learner states"),
+)
+DRIFT_METRICS = (("mmd", "probe drift MMD²"), ("sliced_wasserstein", "probe drift sliced Wasserstein"))
+
+
+# ----- data -------------------------------------------------------------------------------------------------------
+def rounded(values, decimals: int = 3) -> list | None:
+    """Floats rounded for the page; NaN and inf become null. None stays None."""
+    if values is None:
+        return None
+    array = np.round(np.asarray(values, dtype=float), decimals)
+    return [float(v) if math.isfinite(v) else None for v in array]
+
+
+def compact_prefix_len(prefix_len: list[int]) -> int | list[int]:
+    """The first prefix length when they count up by one (the usual case), else the whole list."""
+    start = prefix_len[0] if prefix_len else 0
+    return start if prefix_len == list(range(start, start + len(prefix_len))) else prefix_len
+
+
+def sequence_entry(line: dict, run_index: int) -> dict | None:
+    """One ledger line as the page needs it, with the per-sequence numbers it sorts by; None if unusable."""
+    logp = line.get("logp")
+    if not isinstance(logp, list) or not logp:
+        return None
+    logp_array = np.asarray([np.nan if v is None else v for v in logp], dtype=float)
+    entropy = line.get("entropy") or [None] * len(logp)
+    entropy_array = np.asarray([np.nan if v is None else v for v in entropy], dtype=float)
+    teacher = line.get("teacher_logp")
+    weight = line.get("weight") or [1.0] * len(logp)
+    source = line.get("source")
+    tokens = line.get("tokens")
+    if not (isinstance(tokens, list) and len(tokens) == len(logp)):
+        tokens = None  # a ledger from before per-token text: the page shows the completion text and value cells
+    gap = -logp_array - entropy_array
+    teacher_kl = None
+    if teacher is not None and source == "learner":  # the sampled reverse KL is an estimate on the learner's tokens
+        diff = logp_array - np.asarray([np.nan if v is None else v for v in teacher], dtype=float)
+        teacher_kl = float(np.nanmean(diff)) if np.isfinite(diff).any() else None
+    prompt = str(line.get("prompt") or "")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        prompt = "…" + prompt[-MAX_PROMPT_CHARS:]
+    reward = line.get("reward")
+    return {
+        "r": run_index,
+        "s": int(line.get("step", 0)),
+        "src": STATE_SOURCES.index(source) if source in STATE_SOURCES else -1,
+        "rw": float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None,
+        "p": prompt,
+        "t": tokens,
+        "c": None if tokens is not None else str(line.get("completion") or ""),
+        "pl": compact_prefix_len(list(line.get("prefix_len") or range(len(logp)))),
+        "lp": rounded(logp_array),
+        "en": rounded(entropy_array, 2),
+        "tl": rounded(teacher),
+        "w": rounded(weight[:1], 3)[0] if len(set(weight)) == 1 else rounded(weight),
+        "gap": float(np.nanmean(gap)) if np.isfinite(gap).any() else None,
+        "kl": teacher_kl,
+    }
+
+
+def evenly_spaced(count: int, budget: int) -> set[int]:
+    """`budget` indices spread evenly over `range(count)` (all of them when they fit)."""
+    if count <= budget:
+        return set(range(count))
+    return set(np.linspace(0, count - 1, budget).round().astype(int).tolist())
+
+
+def read_ledger_sample(path: Path, budget: int, run_index: int) -> tuple[list[dict], int, int]:
+    """At most `budget` sequences spread evenly over the ledger, parsing only those lines.
+
+    Returns (entries, lines in the ledger, lines that were not valid JSON or had no per-token values)."""
+    with path.open(encoding="utf-8") as file:
+        count = sum(1 for line in file if line.strip())
+    chosen = evenly_spaced(count, budget)
+    entries, bad, index = [], 0, 0
+    with path.open(encoding="utf-8") as file:
+        for line in file:
+            if not line.strip():
+                continue
+            if index in chosen:
+                try:
+                    entry = sequence_entry(json.loads(line), run_index)
+                except (json.JSONDecodeError, TypeError, ValueError):
+                    entry = None
+                if entry is None:
+                    bad += 1
+                else:
+                    entries.append(entry)
+            index += 1
+    return entries, count, bad
+
+
+def frame_columns(frame, names) -> dict:
+    """The named columns of a per-step frame that exist, as rounded lists, plus `step`."""
+    if frame is None or "step" not in frame:
+        return {}
+    columns = {"step": [int(s) for s in frame["step"]]}
+    for name in names:
+        if name in frame:
+            values = rounded(np.asarray(frame[name].astype(float)), 5)
+            if any(v is not None for v in values):
+                columns[name] = values
+    return columns
+
+
+def page_data(runs, max_sequences: int = MAX_SEQUENCES, max_tokens: int = MAX_TOKENS) -> dict:
+    """What the page embeds: per run its label, step metrics, prefix histograms and drift; the sampled sequences."""
+    budget = max(1, max_sequences // max(1, len(runs)))
+    run_entries, sequences = [], []
+    for index, run in enumerate(runs):
+        ledger = Path(run.path) / "statelens" / "states.jsonl"
+        notes, entries, count = [], [], 0
+        if ledger.is_file():
+            entries, count, bad = read_ledger_sample(ledger, budget, index)
+            if bad:
+                notes.append(f"{bad} ledger line(s) left out: not valid JSON or no per-token values")
+        else:
+            notes.append("no statelens/states.jsonl: no sequences")
+        steps = frame_columns(run.steps, [name for name, _ in STEP_METRICS])
+        hists = []
+        if run.steps is not None and "prefix_len_hist" in run.steps:
+            hists = [h if isinstance(h, list) else [] for h in run.steps["prefix_len_hist"]]
+        run_entries.append(
+            {
+                "label": run.label,
+                "ledger_sequences": count,
+                "steps": steps,
+                "hist": hists if any(hists) else None,
+                "drift": frame_columns(run.drift, [name for name, _ in DRIFT_METRICS]),
+                "notes": notes,
+            }
+        )
+        sequences += entries
+    total_tokens = sum(len(entry["lp"]) for entry in sequences)
+    if total_tokens > max_tokens:  # long sequences: keep fewer of them, still spread evenly
+        keep = evenly_spaced(len(sequences), max(1, len(sequences) * max_tokens // total_tokens))
+        sequences = [entry for i, entry in enumerate(sequences) if i in keep]
+    return {
+        "runs": run_entries,
+        "sequences": sequences,
+        "sources": list(STATE_SOURCES),
+        "step_metrics": [list(pair) for pair in STEP_METRICS],
+        "drift_metrics": [list(pair) for pair in DRIFT_METRICS],
+    }
+
+
+def write_states_page(runs, path, max_sequences: int = MAX_SEQUENCES, max_tokens: int = MAX_TOKENS) -> Path:
+    """Write `states.html` for `runs` (:class:`~trl_statelens.report.Run` objects) to `path`."""
+    data = json.dumps(page_data(runs, max_sequences, max_tokens), ensure_ascii=False, separators=(",", ":"))
+    data = data.replace("</", "<\\/")  # no `</script>` inside the data block
+    title = "StateLens states: " + ", ".join(run.label for run in runs)
+    page = PAGE.replace("{title}", html.escape(title)).replace("{style}", STYLE).replace("{script}", SCRIPT)
+    page = page.replace("{data}", data)  # last: the data may hold any text, including the placeholders
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+# ----- the page ---------------------------------------------------------------------------------------------------
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>{style}</style></head>
+<body>
+<h1>StateLens states</h1>
+<p id="summary"></p>
+<div id="errors" hidden></div>
+<div id="layout">
+<section id="left">
+<form id="filters" onsubmit="return false">
+  <fieldset><legend>Runs</legend><div id="run-boxes"></div></fieldset>
+  <fieldset><legend>Steps</legend>
+    <input id="step-min" type="number" placeholder="from"> – <input id="step-max" type="number" placeholder="to">
+    <button type="button" id="step-clear">all</button></fieldset>
+  <fieldset><legend>Source</legend><div id="source-boxes"></div></fieldset>
+  <fieldset><legend>Reward</legend>
+    <input id="reward-min" type="number" step="any" placeholder="min"> –
+    <input id="reward-max" type="number" step="any" placeholder="max"></fieldset>
+  <fieldset><legend>Colour tokens by</legend><select id="color-by"></select></fieldset>
+  <fieldset><legend>Sort by</legend><select id="sort-by"></select></fieldset>
+</form>
+<div id="legend"></div>
+<div id="pager"><button type="button" id="prev">&larr;</button> <span id="page-info"></span>
+  <button type="button" id="next">&rarr;</button></div>
+<div id="sequences"></div>
+</section>
+<section id="right">
+<h2>Where supervision lands</h2>
+<p class="hint">Share of each step's supervised tokens per prefix-length bin. Drag across a chart to filter steps;
+double-click to clear.</p>
+<div id="heatmaps"></div>
+<h2>State and drift metrics</h2>
+<div id="charts"></div>
+</section>
+</div>
+<div id="tooltip" hidden></div>
+<script type="application/json" id="data">{data}</script>
+<script>{script}</script>
+</body></html>
+"""
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1em 1.5em; color: #222; }
+h1 { margin: 0 0 .2em; font-size: 1.5em; } h2 { font-size: 1.1em; margin: .8em 0 .3em; }
+#summary { color: #555; margin: 0 0 .6em; }
+#errors { background: #fde8e8; border-left: 4px solid #c00; padding: .4em .8em; white-space: pre-wrap; }
+#layout { display: flex; gap: 1.5em; align-items: flex-start; }
+#left { flex: 3; min-width: 0; } #right { flex: 2; min-width: 360px; }
+#filters { display: flex; flex-wrap: wrap; gap: .4em; }
+fieldset { border: 1px solid #ddd; padding: .2em .5em; font-size: .9em; }
+input[type=number] { width: 5.5em; }
+label { margin-right: .6em; white-space: nowrap; }
+#legend { margin: .5em 0; font-size: .85em; display: flex; align-items: center; gap: .5em; flex-wrap: wrap; }
+.swatch { display: inline-block; width: 1em; height: 1em; vertical-align: middle; border: 1px solid #aaa; }
+.ramp { display: inline-block; width: 160px; height: 1em; vertical-align: middle; border: 1px solid #aaa; }
+#pager { margin: .4em 0; }
+.seq { border: 1px solid #e3e3e3; border-radius: 4px; margin: .5em 0; padding: .4em .6em; }
+.seq-head { font-size: .8em; color: #444; margin-bottom: .3em; }
+.seq-head b { color: #000; }
+.badge { display: inline-block; padding: 0 .4em; border-radius: 3px; color: #fff; font-size: .9em; }
+.text { font-family: ui-monospace, monospace; font-size: .85em; white-space: pre-wrap; word-break: break-word;
+  line-height: 1.6; }
+.prompt { color: #888; border-left: 3px dashed #ccc; padding-left: .4em; margin-bottom: .2em; }
+.prompt .more { color: #36c; cursor: pointer; }
+.tok { padding: 1px 0; border-right: 1px solid #fff; cursor: default; }
+.tok.cell { display: inline-block; width: .7em; height: 1em; vertical-align: middle; margin-right: 1px; }
+.tok:hover { outline: 2px solid #000; }
+#tooltip { position: fixed; background: #fff; border: 1px solid #888; padding: .3em .5em; font-size: .8em;
+  pointer-events: none; box-shadow: 2px 2px 6px rgba(0,0,0,.2); z-index: 10; max-width: 320px; }
+#tooltip table td { padding: 0 .4em; } #tooltip code { background: #f3f3f3; }
+.hint { color: #666; font-size: .85em; margin: 0 0 .4em; }
+svg text { font-size: 10px; fill: #333; } svg .title { font-size: 11px; font-weight: 600; }
+svg.chart { display: block; margin-bottom: .6em; cursor: crosshair; user-select: none; }
+.note { color: #8a5a00; font-size: .85em; }
+"""
+
+SCRIPT = r"""
+"use strict";
+const DATA = JSON.parse(document.getElementById("data").textContent);
+const SOURCES = DATA.sources;
+const SOURCE_COLORS = {dataset: "#4e79a7", learner: "#59a14f", teacher: "#f28e2b"};
+const SOURCE_TINTS = {dataset: "#b9cfe6", learner: "#bfe0b8", teacher: "#fbd0a6"};  // token backgrounds
+const RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"];
+const PAGE_SIZE = 40;
+const SVG_NS = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+
+window.addEventListener("error", (event) => {  // shown on the page, so a broken view is never silent
+  const box = $("errors"); box.hidden = false; box.textContent += "error: " + event.message + "\n";
+});
+
+// per-token quantities the tokens can be coloured by: value(seq, i), and a scale
+function logpOf(seq, i) { return seq.lp[i]; }
+function teacherOf(seq, i) { return seq.tl ? seq.tl[i] : null; }
+function gapOf(seq, i) {
+  const t = teacherOf(seq, i), l = seq.lp[i];
+  return t === null || l === null ? null : l - t;
+}
+function weightOf(seq, i) { return Array.isArray(seq.w) ? seq.w[i] : seq.w; }
+function entropyOf(seq, i) { return seq.en[i]; }
+function prefixOf(seq, i) { return Array.isArray(seq.pl) ? seq.pl[i] : seq.pl + i; }
+const QUANTITIES = {
+  source: {label: "state source", value: null},
+  logp: {label: "learner log p", value: logpOf, kind: "logp"},
+  teacher: {label: "teacher log p", value: teacherOf, kind: "logp"},
+  gap: {label: "gap log p_S - log p_T", value: gapOf, kind: "diverging"},
+  weight: {label: "weight / advantage", value: weightOf, kind: "diverging"},
+  entropy: {label: "learner entropy", value: entropyOf, kind: "entropy"},
+};
+const SORTS = {
+  step: {label: "step", key: (s) => s.s, descending: false},
+  gap: {label: "off-policy gap (highest first)", key: (s) => s.gap, descending: true},
+  kl: {label: "teacher KL (highest first; learner states)", key: (s) => s.kl, descending: true},
+  reward: {label: "reward (highest first)", key: (s) => s.rw, descending: true},
+};
+
+// colour scales: the domain of each quantity over every embedded token (98th percentile, so outliers saturate)
+function quantile(values, q) {
+  if (!values.length) return 1;
+  const sorted = Float64Array.from(values).sort();
+  return sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
+}
+const DOMAINS = {};
+for (const [name, quantity] of Object.entries(QUANTITIES)) {
+  if (!quantity.value) continue;
+  const values = [];
+  for (const seq of DATA.sequences) {
+    for (let i = 0; i < seq.lp.length; i++) {
+      const v = quantity.value(seq, i);
+      if (v !== null) values.push(quantity.kind === "logp" ? -v : Math.abs(v));
+    }
+  }
+  DOMAINS[name] = values.length ? Math.max(quantile(values, 0.98), 1e-6) : null;
+}
+function mix(a, b, t) {  // colours as [r, g, b]
+  return "rgb(" + a.map((x, k) => Math.round(x + (b[k] - x) * t)).join(",") + ")";
+}
+const WHITE = [255, 255, 255], RED = [214, 39, 40], BLUE = [33, 102, 172], PURPLE = [106, 61, 154];
+function colorFor(name, v) {
+  if (v === null || v === undefined) return "#e6e6e6";
+  const domain = DOMAINS[name], kind = QUANTITIES[name].kind;
+  if (kind === "logp") return mix(WHITE, RED, Math.min(1, -v / domain));  // unlikely tokens red
+  if (kind === "entropy") return mix(WHITE, PURPLE, Math.min(1, v / domain));
+  const t = Math.max(-1, Math.min(1, v / domain));  // diverging: negative blue, positive red
+  return t < 0 ? mix(WHITE, BLUE, -t) : mix(WHITE, RED, t);
+}
+function tokenColor(seq, i) {
+  if (state.color === "source") return SOURCE_TINTS[SOURCES[seq.src]] || "#ddd";
+  return colorFor(state.color, QUANTITIES[state.color].value(seq, i));
+}
+
+// ----- state: filters, kept in the URL fragment --------------------------------------------------------------
+const state = {runs: new Set(DATA.runs.map((_, i) => i)), stepMin: null, stepMax: null,
+  sources: new Set(SOURCES), rewardMin: null, rewardMax: null, color: "source", sort: "step", page: 0};
+const DEFAULTS = JSON.stringify({...state, runs: [...state.runs], sources: [...state.sources]});
+function readHash() {  // the filters the fragment names; the others at their defaults
+  Object.assign(state, JSON.parse(DEFAULTS));
+  state.runs = new Set(state.runs); state.sources = new Set(state.sources);
+  const params = new URLSearchParams(location.hash.slice(1));
+  const num = (v) => (v === null || v === "" || isNaN(Number(v)) ? null : Number(v));
+  if (params.has("runs")) state.runs = new Set(params.get("runs").split(",").map(Number));
+  if (params.has("source")) state.sources = new Set(params.get("source").split(",").filter((s) => SOURCES.includes(s)));
+  if (params.has("steps")) {
+    const [a, b] = params.get("steps").split("-");
+    state.stepMin = num(a); state.stepMax = num(b);
+  }
+  if (params.has("reward")) {
+    const [a, b] = params.get("reward").split(":");
+    state.rewardMin = num(a); state.rewardMax = num(b);
+  }
+  if (QUANTITIES[params.get("color")]) state.color = params.get("color");
+  if (SORTS[params.get("sort")]) state.sort = params.get("sort");
+  if (params.has("page")) state.page = Math.max(0, num(params.get("page")) || 0);
+}
+function writeHash() {
+  const params = new URLSearchParams();
+  if (state.runs.size !== DATA.runs.length) params.set("runs", [...state.runs].join(","));
+  if (state.sources.size !== SOURCES.length) params.set("source", [...state.sources].join(","));
+  if (state.stepMin !== null || state.stepMax !== null) params.set("steps", (state.stepMin ?? "") + "-" + (state.stepMax ?? ""));
+  if (state.rewardMin !== null || state.rewardMax !== null) params.set("reward", (state.rewardMin ?? "") + ":" + (state.rewardMax ?? ""));
+  if (state.color !== "source") params.set("color", state.color);
+  if (state.sort !== "step") params.set("sort", state.sort);
+  if (state.page) params.set("page", state.page);
+  history.replaceState(null, "", "#" + params.toString());
+}
+
+function visibleSequences() {
+  const keep = DATA.sequences.filter((s) =>
+    state.runs.has(s.r) && state.sources.has(SOURCES[s.src]) &&
+    (state.stepMin === null || s.s >= state.stepMin) && (state.stepMax === null || s.s <= state.stepMax) &&
+    (state.rewardMin === null || (s.rw !== null && s.rw >= state.rewardMin)) &&
+    (state.rewardMax === null || (s.rw !== null && s.rw <= state.rewardMax)));
+  const sort = SORTS[state.sort];
+  return keep.sort((a, b) => {  // missing values last
+    const x = sort.key(a), y = sort.key(b);
+    if (x === null || y === null) return (x === null) - (y === null);
+    return sort.descending ? y - x : x - y;
+  });
+}
+
+// ----- controls ------------------------------------------------------------------------------------------------
+function checkbox(parent, label, checked, onChange, color) {
+  const wrap = document.createElement("label");
+  const box = document.createElement("input");
+  box.type = "checkbox"; box.checked = checked;
+  box.addEventListener("change", () => onChange(box.checked));
+  wrap.append(box);
+  if (color) { const sw = document.createElement("span"); sw.className = "swatch"; sw.style.background = color; wrap.append(sw, " "); }
+  wrap.append(label);
+  parent.append(wrap);
+  return box;
+}
+function toggle(set, value, on) { if (on) set.add(value); else set.delete(value); }
+function setupControls() {
+  DATA.runs.forEach((run, i) => checkbox($("run-boxes"), run.label, state.runs.has(i),
+    (on) => { toggle(state.runs, i, on); update(true); }, RUN_COLORS[i % RUN_COLORS.length]));
+  SOURCES.forEach((source) => checkbox($("source-boxes"), source, state.sources.has(source),
+    (on) => { toggle(state.sources, source, on); update(true); }, SOURCE_COLORS[source]));
+  for (const [id, key] of [["step-min", "stepMin"], ["step-max", "stepMax"], ["reward-min", "rewardMin"], ["reward-max", "rewardMax"]]) {
+    const input = $(id);
+    input.value = state[key] ?? "";
+    input.addEventListener("input", () => { state[key] = input.value === "" ? null : Number(input.value); update(true); });
+  }
+  $("step-clear").addEventListener("click", () => setSteps(null, null));
+  for (const [id, options, key] of [["color-by", QUANTITIES, "color"], ["sort-by", SORTS, "sort"]]) {
+    const select = $(id);
+    for (const [name, option] of Object.entries(options)) select.add(new Option(option.label, name));
+    select.value = state[key];
+    select.addEventListener("change", () => { state[key] = select.value; update(key === "sort"); });
+  }
+  $("prev").addEventListener("click", () => { state.page--; update(false); });
+  $("next").addEventListener("click", () => { state.page++; update(false); });
+}
+function syncControls() {  // the form shows the state (after a fragment change)
+  $("run-boxes").querySelectorAll("input").forEach((box, i) => { box.checked = state.runs.has(i); });
+  $("source-boxes").querySelectorAll("input").forEach((box, i) => { box.checked = state.sources.has(SOURCES[i]); });
+  for (const [id, key] of [["step-min", "stepMin"], ["step-max", "stepMax"], ["reward-min", "rewardMin"], ["reward-max", "rewardMax"]]) $(id).value = state[key] ?? "";
+  $("color-by").value = state.color; $("sort-by").value = state.sort;
+}
+function setSteps(min, max) {
+  state.stepMin = min; state.stepMax = max;
+  $("step-min").value = min ?? ""; $("step-max").value = max ?? "";
+  update(true);
+}
+
+// ----- sequences ----------------------------------------------------------------------------------------------
+const fmt = (v, d = 3) => (v === null || v === undefined ? "–" : Number(v).toFixed(d));
+function showToken(text) { return text.replace(/\n/g, "↵\n").replace(/\t/g, "→"); }
+function renderSequence(seq, index) {
+  const div = document.createElement("div");
+  div.className = "seq"; div.dataset.k = index;
+  const head = document.createElement("div");
+  head.className = "seq-head";
+  const source = SOURCES[seq.src] || "?";
+  head.innerHTML = `<b>${escapeHtml(DATA.runs[seq.r].label)}</b> · step ${seq.s} · ` +
+    `<span class="badge" style="background:${SOURCE_COLORS[source] || "#999"}">${source}</span> · ` +
+    `${seq.lp.length} supervised tokens · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
+    `teacher KL ${fmt(seq.kl)}`;
+  const prompt = document.createElement("div");
+  prompt.className = "text prompt";
+  const tail = 300;
+  if (seq.p.length > tail) {
+    const more = document.createElement("span");
+    more.className = "more"; more.textContent = "… ";
+    more.title = "show the whole prompt";
+    more.addEventListener("click", () => { prompt.textContent = seq.p; });
+    prompt.append(more, seq.p.slice(-tail));
+  } else prompt.textContent = seq.p;
+  const body = document.createElement("div");
+  body.className = "text completion";
+  const parts = [];
+  for (let i = 0; i < seq.lp.length; i++) {
+    const style = `background:${tokenColor(seq, i)}`;
+    parts.push(seq.t ? `<span class="tok" data-i="${i}" style="${style}">${escapeHtml(showToken(seq.t[i]))}</span>`
+      : `<span class="tok cell" data-i="${i}" style="${style}"></span>`);
+  }
+  body.innerHTML = parts.join("");
+  if (!seq.t) {  // an older ledger without per-token text: the text, then one cell per supervised token
+    const text = document.createElement("div");
+    text.textContent = seq.c; body.prepend(text);
+  }
+  div.append(head, prompt, body);
+  return div;
+}
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
+}
+let shown = [];
+function renderSequences() {
+  const visible = visibleSequences();
+  const pages = Math.max(1, Math.ceil(visible.length / PAGE_SIZE));
+  state.page = Math.min(Math.max(0, state.page), pages - 1);
+  shown = visible.slice(state.page * PAGE_SIZE, (state.page + 1) * PAGE_SIZE);
+  const list = $("sequences");
+  list.replaceChildren(...shown.map(renderSequence));
+  list.dataset.visible = visible.length;
+  $("page-info").textContent = visible.length
+    ? `sequences ${state.page * PAGE_SIZE + 1}–${state.page * PAGE_SIZE + shown.length} of ${visible.length} (page ${state.page + 1} of ${pages})`
+    : "no sequence matches the filters";
+  $("prev").disabled = state.page === 0; $("next").disabled = state.page >= pages - 1;
+}
+function renderLegend() {
+  const legend = $("legend");
+  if (state.color === "source") {
+    legend.innerHTML = "Token colour: state source " + SOURCES.map((s) =>
+      `<span class="swatch" style="background:${SOURCE_TINTS[s]}"></span> ${s}`).join(" ");
+    return;
+  }
+  const q = QUANTITIES[state.color], domain = DOMAINS[state.color];
+  if (domain === null) { legend.textContent = `No ${q.label} in these ledgers (grey tokens).`; return; }
+  let low, high, stops;
+  if (q.kind === "logp") { low = -domain; high = 0; stops = [mix(WHITE, RED, 1), mix(WHITE, RED, 0)]; }
+  else if (q.kind === "entropy") { low = 0; high = domain; stops = [mix(WHITE, PURPLE, 0), mix(WHITE, PURPLE, 1)]; }
+  else { low = -domain; high = domain; stops = [mix(WHITE, BLUE, 1), "rgb(255,255,255)", mix(WHITE, RED, 1)]; }
+  legend.innerHTML = `Token colour: ${escapeHtml(q.label)} <span>${fmt(low, 2)}</span>` +
+    `<span class="ramp" style="background:linear-gradient(to right,${stops.join(",")})"></span>` +
+    `<span>${fmt(high, 2)}</span> <span class="swatch" style="background:#e6e6e6"></span> no value`;
+}
+
+// tooltip: one element, filled on hover
+function setupTooltip() {
+  const tip = $("tooltip");
+  $("sequences").addEventListener("mousemove", (event) => {
+    const tok = event.target.closest(".tok");
+    if (!tok) { tip.hidden = true; return; }
+    const seq = shown[Number(tok.closest(".seq").dataset.k)], i = Number(tok.dataset.i);
+    const rows = [["prefix length", prefixOf(seq, i)], ["learner log p", fmt(logpOf(seq, i))],
+      ["teacher log p", fmt(teacherOf(seq, i))], ["gap log p_S - log p_T", fmt(gapOf(seq, i))],
+      ["learner entropy", fmt(entropyOf(seq, i), 2)], ["weight", fmt(weightOf(seq, i))],
+      ["source", SOURCES[seq.src]]];
+    const text = seq.t ? `<code>${escapeHtml(JSON.stringify(seq.t[i]))}</code>` : `token ${i}`;
+    tip.innerHTML = text + "<table>" + rows.map(([k, v]) => `<tr><td>${k}</td><td>${v}</td></tr>`).join("") + "</table>";
+    tip.hidden = false;
+    tip.style.left = Math.min(event.clientX + 12, window.innerWidth - 330) + "px";
+    tip.style.top = (event.clientY + 14) + "px";
+  });
+  $("sequences").addEventListener("mouseleave", () => { tip.hidden = true; });
+}
+
+// ----- charts: SVG, drawn by hand ------------------------------------------------------------------------------
+function el(name, attrs, parent) {
+  const node = document.createElementNS(SVG_NS, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (parent) parent.append(node);
+  return node;
+}
+function text(parent, x, y, content, attrs = {}) { el("text", {x, y, ...attrs}, parent).textContent = content; }
+const W = 440, H = 150, M = {left: 48, right: 10, top: 18, bottom: 22};
+function stepExtent() {
+  let lo = Infinity, hi = -Infinity;
+  for (const run of DATA.runs) for (const s of [...(run.steps.step || []), ...(run.drift.step || [])]) { lo = Math.min(lo, s); hi = Math.max(hi, s); }
+  for (const seq of DATA.sequences) { lo = Math.min(lo, seq.s); hi = Math.max(hi, seq.s); }
+  return lo === Infinity ? [0, 1] : [lo, Math.max(hi, lo + 1)];
+}
+const EXTENT = stepExtent();
+const xScale = (step) => M.left + (step - EXTENT[0]) / (EXTENT[1] - EXTENT[0]) * (W - M.left - M.right);
+const stepAt = (x) => EXTENT[0] + (x - M.left) / (W - M.left - M.right) * (EXTENT[1] - EXTENT[0]);
+function brushable(svg) {  // drag across the plot to set the step filter; double-click clears it
+  let start = null;
+  const box = el("rect", {class: "brush", y: M.top, height: H - M.top - M.bottom, fill: "rgba(0,90,200,.15)", width: 0}, svg);
+  const xOf = (event) => event.clientX - svg.getBoundingClientRect().left;
+  svg.addEventListener("mousedown", (event) => { start = xOf(event); box.setAttribute("x", start); box.setAttribute("width", 0); });
+  svg.addEventListener("mousemove", (event) => {
+    if (start === null) return;
+    const x = xOf(event);
+    box.setAttribute("x", Math.min(start, x)); box.setAttribute("width", Math.abs(x - start));
+  });
+  svg.addEventListener("mouseup", (event) => {
+    if (start === null) return;
+    const a = stepAt(Math.min(start, xOf(event))), b = stepAt(Math.max(start, xOf(event)));
+    start = null; box.setAttribute("width", 0);
+    if (b - a > 0) setSteps(Math.ceil(a), Math.floor(b));
+  });
+  svg.addEventListener("dblclick", () => setSteps(null, null));
+}
+function selection(svg) {  // the step filter shown on every chart
+  const g = el("g", {class: "selection"}, svg);
+  return () => {
+    g.replaceChildren();
+    if (state.stepMin === null && state.stepMax === null) return;
+    const a = xScale(state.stepMin ?? EXTENT[0]), b = xScale(state.stepMax ?? EXTENT[1]);
+    el("rect", {x: M.left, y: M.top, width: Math.max(0, a - M.left), height: H - M.top - M.bottom, fill: "rgba(255,255,255,.7)"}, g);
+    el("rect", {x: b, y: M.top, width: Math.max(0, W - M.right - b), height: H - M.top - M.bottom, fill: "rgba(255,255,255,.7)"}, g);
+    el("line", {x1: a, x2: a, y1: M.top, y2: H - M.bottom, stroke: "#05c"}, g);
+    el("line", {x1: b, x2: b, y1: M.top, y2: H - M.bottom, stroke: "#05c"}, g);
+  };
+}
+const redraws = [];
+function xAxis(svg) {
+  el("line", {x1: M.left, x2: W - M.right, y1: H - M.bottom, y2: H - M.bottom, stroke: "#999"}, svg);
+  for (const t of [EXTENT[0], Math.round((EXTENT[0] + EXTENT[1]) / 2), EXTENT[1]]) text(svg, xScale(t), H - 6, t, {"text-anchor": "middle"});
+}
+function lineChart(title, series) {  // series: [{label, color, x: [], y: []}]
+  const values = series.flatMap((s) => s.y.filter((v) => v !== null));
+  if (!values.length) return null;
+  let lo = Math.min(...values), hi = Math.max(...values);
+  if (hi - lo < 1e-12) { lo -= 0.5; hi += 0.5; }
+  const y = (v) => H - M.bottom - (v - lo) / (hi - lo) * (H - M.top - M.bottom);
+  const svg = el("svg", {class: "chart line-chart", width: W, height: H, viewBox: `0 0 ${W} ${H}`});
+  text(svg, M.left, 12, title, {class: "title"});
+  text(svg, M.left - 4, y(hi) + 4, fmt(hi, 3), {"text-anchor": "end"});
+  text(svg, M.left - 4, y(lo) + 4, fmt(lo, 3), {"text-anchor": "end"});
+  if (lo < 0 && hi > 0) el("line", {x1: M.left, x2: W - M.right, y1: y(0), y2: y(0), stroke: "#bbb", "stroke-dasharray": "3 3"}, svg);
+  xAxis(svg);
+  for (const s of series) {
+    let d = "";
+    s.x.forEach((step, i) => { if (s.y[i] !== null) d += (d ? "L" : "M") + xScale(step).toFixed(1) + "," + y(s.y[i]).toFixed(1); });
+    el("path", {d, fill: "none", stroke: s.color, "stroke-width": 1.5}, svg).append(Object.assign(document.createElementNS(SVG_NS, "title"), {textContent: s.label}));
+  }
+  redraws.push(selection(svg));
+  brushable(svg);
+  return svg;
+}
+const MAX_COLUMNS = 240;  // longer runs are binned into this many step columns
+function heatmap(run, index) {
+  const steps = run.steps.step, hists = run.hist;
+  const bins = Math.max(...hists.map((h) => h.length));
+  const columns = Math.min(steps.length, MAX_COLUMNS);
+  const grid = Array.from({length: columns}, () => new Float64Array(bins));
+  const colStep = Array.from({length: columns}, () => [Infinity, -Infinity]);
+  hists.forEach((h, i) => {
+    const c = Math.min(columns - 1, Math.floor(i * columns / steps.length));
+    h.forEach((v, k) => { grid[c][k] += v; });
+    colStep[c][0] = Math.min(colStep[c][0], steps[i]); colStep[c][1] = Math.max(colStep[c][1], steps[i]);
+  });
+  const svg = el("svg", {class: "chart heatmap", width: W, height: H, viewBox: `0 0 ${W} ${H}`});
+  text(svg, M.left, 12, run.label + ": prefix length of supervised tokens (darker: larger share)", {class: "title"});
+  const rowH = (H - M.top - M.bottom) / bins;
+  for (let k = 0; k < bins; k++) {
+    if (k % Math.ceil(bins / 6) === 0) {
+      const low = 2 ** k - 1, high = 2 ** (k + 1) - 2;
+      text(svg, M.left - 4, H - M.bottom - k * rowH - rowH / 2 + 3, low === high ? low : `${low}-${high}`, {"text-anchor": "end"});
+    }
+  }
+  grid.forEach((counts, c) => {
+    const total = counts.reduce((a, b) => a + b, 0);
+    if (!total) return;
+    const [a, b] = colStep[c];
+    const x0 = Math.max(M.left, xScale(a - 0.5)), x1 = Math.min(W - M.right, xScale(b + 0.5));
+    counts.forEach((v, k) => {
+      if (!v) return;
+      const rect = el("rect", {class: "cell", x: x0.toFixed(1), y: (H - M.bottom - (k + 1) * rowH).toFixed(1),
+        width: Math.max(1, x1 - x0).toFixed(1), height: rowH.toFixed(1), fill: mix(WHITE, [8, 48, 107], Math.sqrt(v / total))}, svg);
+      rect.append(Object.assign(document.createElementNS(SVG_NS, "title"),
+        {textContent: `steps ${a}${b > a ? "-" + b : ""}, prefix bin ${k}: ${(100 * v / total).toFixed(1)}% of ${total} tokens`}));
+    });
+  });
+  xAxis(svg);
+  redraws.push(selection(svg));
+  brushable(svg);
+  return svg;
+}
+function renderCharts() {
+  const heatmaps = $("heatmaps"), charts = $("charts");
+  DATA.runs.forEach((run, i) => {
+    for (const note of run.notes) {
+      const p = document.createElement("p"); p.className = "note"; p.textContent = run.label + ": " + note; heatmaps.append(p);
+    }
+    if (run.hist && run.steps.step) heatmaps.append(heatmap(run, i));
+  });
+  if (!heatmaps.querySelector("svg")) heatmaps.append("No run has prefix_len_hist in statelens/steps.jsonl.");
+  const color = (i) => RUN_COLORS[i % RUN_COLORS.length];
+  for (const [key, title, group] of [...DATA.step_metrics.map(([k, t]) => [k, t, "steps"]), ...DATA.drift_metrics.map(([k, t]) => [k, t, "drift"])]) {
+    const series = DATA.runs.map((run, i) => run[group][key] ? {label: run.label, color: color(i), x: run[group].step, y: run[group][key]} : null).filter(Boolean);
+    const svg = series.length ? lineChart(title, series) : null;
+    if (svg) charts.append(svg);
+  }
+  if (!charts.querySelector("svg")) charts.append("No per-step metrics (statelens/steps.jsonl, drift.jsonl) in these runs.");
+}
+
+function update(resetPage) {
+  if (resetPage) state.page = 0;
+  renderLegend();
+  renderSequences();
+  redraws.forEach((redraw) => redraw());
+  writeHash();
+}
+
+const started = performance.now();
+readHash();
+const ledgerTotal = DATA.runs.reduce((a, r) => a + r.ledger_sequences, 0);
+$("summary").textContent = `${DATA.runs.length} run(s) · ${DATA.sequences.length} sequences shown of ${ledgerTotal} in the ledgers` +
+  (DATA.sequences.length < ledgerTotal ? " (spread evenly over each ledger)" : "") + " · hover a token for its values";
+setupControls();
+setupTooltip();
+renderCharts();
+update(false);
+window.addEventListener("hashchange", () => { readHash(); syncControls(); update(false); });
+document.body.dataset.renderMs = (performance.now() - started).toFixed(0);
+document.body.dataset.ready = "1";
+"""
