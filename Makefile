@@ -53,7 +53,9 @@ lab: $(CORE)
 # `accelerate launch` with a config that does not say `use_cpu: true` gives a CPU run one thread
 # (OMP_NUM_THREADS=1) unless told otherwise: on 2 cores that makes the lab build 1.7x slower.
 THREADS ?= $(shell nproc 2>/dev/null || echo 1)
+# A fresh run refuses a folder holding another run's ledger, so a repeated demo first removes the previous one.
 demo: $(CORE)
+	rm -rf runs/lab/opd
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).

@@ -12,6 +12,7 @@ Seeds vary post-training (data order, sampling); every seed starts from the same
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def main():
             if (folder / "results.json").exists():
                 continue
             print(f"seed {seed}: {name}", flush=True)
+            shutil.rmtree(folder / "statelens", ignore_errors=True)  # an unfinished run (no checkpoints) starts over
             folder.mkdir(parents=True, exist_ok=True)
             flags = [flag.format(**{k: str(v) for k, v in folders.items()}) for flag in extra]
             smoke = SMOKE_FLAGS[recipe] + eval_flags if args.smoke else []

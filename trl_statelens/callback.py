@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import unwrap_model_for_generation
 
+from .checks import check_probe_lengths, context_length
 from .drift import drift_metrics, featurize, prefix_states
 from .records import StateRecorderMixin, aggregate_states, prefix_len_histogram
 
@@ -112,6 +113,7 @@ class StateLoggingCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._prepare_ledger(resumed_at=state.global_step)
         if self.probe_prompts is not None:
+            self._check_probe_lengths()
             self._reference_features = featurize(prefix_states(self._reference_completions(state)))
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -142,18 +144,25 @@ class StateLoggingCallback(TrainerCallback):
                 store["train"][METRIC_PREFIX + name].append(value)
 
     def _prepare_ledger(self, resumed_at: int) -> None:
-        """A fresh run starts an empty ledger; a resumed one keeps the lines up to the checkpoint's step."""
+        """A fresh run starts an empty ledger; a resumed one keeps the lines up to the checkpoint's step.
+
+        A fresh run refuses a folder holding another run's ledger (it would be lost); a resumed one drops a torn last
+        line, which a run killed while writing leaves behind.
+        """
+        if resumed_at == 0:
+            check_no_ledger(self.ledger_dir.parent)
         self.ledger_dir.mkdir(parents=True, exist_ok=True)
         if resumed_at == 0:
             (self.ledger_dir / DRIFT_REFERENCE_FILE).unlink(missing_ok=True)
         for name in LEDGER_FILES:
             path = self.ledger_dir / name
-            if not path.exists():
+            if resumed_at == 0 or not path.exists():
+                path.unlink(missing_ok=True)  # empty files only: check_no_ledger refused any other
                 continue
-            if resumed_at == 0:
-                path.unlink()
-                continue
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resumed_at]
+            rows = [line for line in path.read_text().splitlines() if line]
+            if rows and not _parses(rows[-1]):
+                logger.warning("%s: dropping a torn last line (a run killed while writing it): %r", path, rows.pop())
+            kept = [line for line in rows if json.loads(line)["step"] <= resumed_at]
             path.write_text("".join(line + "\n" for line in kept))
 
     def _append(self, name: str, rows: list[dict]) -> None:
@@ -173,7 +182,9 @@ class StateLoggingCallback(TrainerCallback):
             logger.warning("Resumed without %s: probe drift is measured against the resumed policy.", path)
         completions = self._sample_probes()
         if state.is_world_process_zero:
-            path.write_text(json.dumps({"step": state.global_step, "completions": completions}))
+            partial = path.with_suffix(".partial")  # written whole, then renamed: a kill never leaves half of it
+            partial.write_text(json.dumps({"step": state.global_step, "completions": completions}))
+            partial.replace(path)
         return completions
 
     def _probe_generation_config(self, model) -> GenerationConfig:
@@ -186,6 +197,16 @@ class StateLoggingCallback(TrainerCallback):
         if self.probe_max_new_tokens is not None:
             config.max_new_tokens = self.probe_max_new_tokens
         return config
+
+    def _check_probe_lengths(self) -> None:
+        tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+        prompts = [
+            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in self.probe_prompts
+        ]
+        model = self.trainer.model
+        max_new_tokens = self._probe_generation_config(model).max_new_tokens
+        check_probe_lengths(tokenizer, prompts, max_new_tokens, context_length(model))
 
     @torch.no_grad()
     def _sample_probes(self) -> list[str]:
@@ -218,6 +239,21 @@ class StateLoggingCallback(TrainerCallback):
             output = model.generate(**inputs, generation_config=self._probe_generation_config(model))
             model.train(was_training)
         return tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
+
+
+def check_no_ledger(output_dir) -> None:
+    """Refuse to start a fresh run in a folder whose state ledger already holds another run's steps.
+
+    Called before any work starts (the recipes call it before evaluating); a resumed run is not checked.
+    """
+    ledger_dir = Path(output_dir) / "statelens"
+    held = [name for name in LEDGER_FILES if (ledger_dir / name).exists() and (ledger_dir / name).stat().st_size]
+    if held:
+        raise ValueError(
+            f"{ledger_dir} holds another run's state ledger ({', '.join(held)}): a fresh run would overwrite it. "
+            "Continue that run with --resume_from_checkpoint (resume_from_checkpoint= in trainer.train()), or choose "
+            "another output_dir, or delete the folder."
+        )
 
 
 def trainer_generation_config(trainer) -> GenerationConfig | None:
@@ -261,6 +297,14 @@ def attach_state_logging(trainer, state_logging: bool = True) -> None:
             callback.trainer = trainer
     if not callbacks and state_logging:
         trainer.add_callback(StateLoggingCallback(trainer))
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _json_safe(value):

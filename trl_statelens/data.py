@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import random
 from pathlib import Path
 
 from datasets import Dataset
 
 from .answers import extract_answer
+
+logger = logging.getLogger(__name__)
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 PROMPT_FORMATS = ("plain", "chat")
@@ -135,15 +138,30 @@ def require_columns(rows: list[dict], columns: tuple[str, ...], what: str) -> No
 
 # ----- GSM8K ----------------------------------------------------------------------------------------------------
 def read_gsm8k_rows(source: str | Path = GSM8K_HUB_ID, split: str = "train", lab_seed: int = 0) -> list[dict]:
-    """Raw ``{"question", "answer"}`` rows. The lab's ``train`` split is its first ``LAB_MATH_TRAIN_SIZE`` problems."""
+    """Raw ``{"question", "answer"}`` rows. The lab's ``train`` split is its first ``LAB_MATH_TRAIN_SIZE`` problems.
+
+    Rows whose answer has no final ``#### N`` are dropped with a logged warning (they could be neither rewarded nor
+    scored); a source with no well-formed row is an error.
+    """
     from .lab import LabWorld
 
     def lab_rows(split):
         world = LabWorld(seed=lab_seed)
         return world.math(split, n=LAB_MATH_TRAIN_SIZE) if split == "train" else world.math(split)
 
+    what = f"GSM8K source {str(source)!r} split {split!r}"
     rows = read_source_rows(source, split, hub_config="main", lab_rows=lab_rows)
-    require_columns(rows, ("question", "answer"), f"GSM8K source {str(source)!r}")
+    require_columns(rows, ("question", "answer"), what)
+    malformed = [i for i, row in enumerate(rows) if extract_answer(str(row["answer"]), "strict") is None]
+    if len(malformed) == len(rows):
+        raise ValueError(f"{what}: no answer ends with a final '#### N' (row 0: {rows[0]['answer']!r})")
+    if malformed:
+        logger.warning(
+            "%s: dropped %d of %d rows whose answer has no final '#### N' (rows %s)",
+            what, len(malformed), len(rows), malformed[:10],
+        )  # fmt: skip
+        dropped = set(malformed)
+        rows = [row for i, row in enumerate(rows) if i not in dropped]
     return rows
 
 

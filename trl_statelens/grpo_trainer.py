@@ -7,15 +7,30 @@ import torch.nn.functional as F
 from trl import GRPOTrainer
 
 from .callback import attach_state_logging
+from .checks import (
+    FiniteGradientsMixin,
+    bound_arguments,
+    check_prompt_lengths,
+    check_tokenizer,
+    check_train_dataset,
+    context_length,
+    load_safetensors_only,
+    tokenizer_of,
+)
 from .records import StateRecorderMixin
 
 
-class StateLensGRPOTrainer(StateRecorderMixin, GRPOTrainer):
+class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer):
     """[`~trl.GRPOTrainer`] that records, for every optimizer step, which states it supervised.
 
     Same arguments, same training: the records reuse the per-token log-probs and entropies the GRPO loss computes,
     with no extra forward pass. Every completion token in the loss mask is a `learner` state; its prefix length is its
     position in the completion, its weight the advantage the loss applies, and each sequence carries its reward.
+
+    Bad input (an empty dataset, no `prompt` column, a tokenizer without eos, a prompt that leaves no room for
+    `max_completion_length` tokens in the model's context) is refused before training, with the fix in the message; a
+    reward function that raises stops training with the step named, and a non-finite gradient stops it before the
+    optimizer applies it (docs/bad-input.md).
 
     Args:
         *args, **kwargs: the arguments of [`~trl.GRPOTrainer`].
@@ -25,12 +40,31 @@ class StateLensGRPOTrainer(StateRecorderMixin, GRPOTrainer):
     """
 
     def __init__(self, *args, state_logging: bool = True, **kwargs):
+        given = bound_arguments(GRPOTrainer, args, kwargs)
+        what = type(self).__name__
+        check_train_dataset(given.get("train_dataset"), ("prompt",), what)
+        check_tokenizer(tokenizer_of(given.get("processing_class"), given["model"]))
+        load_safetensors_only(given.get("args"))
         super().__init__(*args, **kwargs)
+        context = context_length(self.model)
+        check_prompt_lengths(self.train_dataset, self._tokenizer, context, self._tokens_after_prompt(), what)
         self._loss_logps_and_entropies = None
         attach_state_logging(self, state_logging)
 
+    def _tokens_after_prompt(self) -> int:
+        """The most tokens a training sequence holds after its prompt: the completion."""
+        return self.args.max_completion_length
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        except Exception as error:
+            raise RuntimeError(
+                f"a reward function ({', '.join(self.reward_func_names)}) raised {type(error).__name__} in step "
+                f"{self.state.global_step + 1}: {error}. Training stopped; finished steps are in the ledger and the "
+                "last checkpoint. Return None (or NaN) for a completion the function cannot score: GRPO then ignores "
+                "it for that function."
+            ) from error
         self._rewards_per_func = rewards_per_func  # all processes' completions
         return rewards_per_func
 

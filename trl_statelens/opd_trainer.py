@@ -7,6 +7,9 @@ supervised (`state_source_mix`) and what the teacher says there (`signal`), and 
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
@@ -26,9 +29,13 @@ from trl.trainer.utils import (
 )
 
 from .callback import trainer_generation_config
+from .checks import check_train_dataset
 from .grpo_trainer import StateLensGRPOTrainer
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
+
+logger = logging.getLogger(__name__)
+SOURCE_RNG_FILE = "statelens_source_rng_{rank}.pth"  # in each checkpoint, one per process
 
 LEARNER, DATASET, TEACHER = (source_code(s) for s in ("learner", "dataset", "teacher"))
 # Vocabulary columns per projection tile in the completion log-prob path (TRL's fused head uses 32768). On CPU a
@@ -145,6 +152,29 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
+
+    def _tokens_after_prompt(self) -> int:
+        """A continuation can start at the rollout's last token: up to `continuation_length` more tokens."""
+        extra = self.args.continuation_length if self.args.signal == "continuation" else 0
+        return self.args.max_completion_length + extra
+
+    # ----- checkpoints: the source/cut-point generator travels with the trainer's RNG states -----------------------
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        path = Path(output_dir) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
+        torch.save({"source_generator": self._source_generator.get_state()}, path)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = Path(checkpoint) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
+        if not path.is_file():
+            logger.warning(
+                "%s not found: state sources and cut points after this resume differ from an uninterrupted run's", path
+            )
+            return
+        self._source_generator.set_state(torch.load(path, weights_only=True)["source_generator"])
 
     def _connect_teacher_server(self, teacher_path: str | None):
         """A [`ServedTeacher`] on `args.teacher_model_server_url`, checked now: reachable, serving a model with the
@@ -587,6 +617,7 @@ def load_teacher(name_or_path: str, args) -> PreTrainedModel:
     """
     kwargs = dict(args.teacher_model_init_kwargs or {})
     kwargs.setdefault("dtype", "auto")
+    kwargs.setdefault("use_safetensors", True)  # no pickle files: weights only
     if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
         kwargs["device_map"] = None
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
@@ -605,6 +636,7 @@ def load_teacher(name_or_path: str, args) -> PreTrainedModel:
 def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
     if dataset is None:
         return
+    check_train_dataset(dataset, ("prompt",), "OnPolicyDistillTrainer")  # rows, before the teacher loads
     columns = dataset.column_names or []
     if "prompt" not in columns:
         raise ValueError(
@@ -638,4 +670,11 @@ def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: st
         raise ValueError(
             f"the teacher's tokenizer ({teacher_path}) maps tokens to ids differently from the student's: the same "
             f"ids would mean different text to each model. {hint}"
+        )
+    if teacher_tokenizer.chat_template != student_tokenizer.chat_template:
+        logger.warning(
+            "The teacher's chat template (%s) differs from the student's: prompts are formatted with the student's "
+            "template and the teacher scores those tokens, so on conversational data the teacher reads a layout it "
+            "was not trained on. Use a teacher fine-tuned with the student's template, or plain-text prompts.",
+            teacher_path,
         )

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from .callback import StateLoggingCallback
+from .callback import StateLoggingCallback, check_no_ledger
 from .data import load_gsm8k
 from .evaluation import RETENTION_TASKS, evaluate_model, parse_limit, retention_summary
 
@@ -156,6 +156,8 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     training_args = trainer.args
     out = Path(training_args.output_dir)
     accelerator = trainer.accelerator
+    if not training_args.resume_from_checkpoint:  # before evaluating: a fresh run must not overwrite another's ledger
+        check_no_ledger(out)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     before = None
     if accelerator.is_main_process and args.eval_before:
@@ -168,6 +170,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     trainer.save_model(str(out))
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
+        trainer.end()  # destroys the process group while Python is alive (tests/test_multiprocess.py says why)
         return {}
 
     tokenizer.save_pretrained(out)
@@ -200,6 +203,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
     print_summary(results, trainer.state.log_history, out)
+    trainer.end()
     return results
 
 

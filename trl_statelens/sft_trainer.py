@@ -6,10 +6,21 @@ import torch.nn.functional as F
 from trl import SFTTrainer
 
 from .callback import attach_state_logging
+from .checks import (
+    SFT_COLUMNS,
+    FiniteGradientsMixin,
+    bound_arguments,
+    check_sequence_lengths,
+    check_tokenizer,
+    check_train_dataset,
+    context_length,
+    load_safetensors_only,
+    tokenizer_of,
+)
 from .records import StateRecorderMixin
 
 
-class StateLensSFTTrainer(StateRecorderMixin, SFTTrainer):
+class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that records, for every optimizer step, which states it supervised.
 
     Same arguments, same training: the records are read off the loss's own forward (TRL's fused LM head already
@@ -17,6 +28,10 @@ class StateLensSFTTrainer(StateRecorderMixin, SFTTrainer):
     Every supervised token is a `dataset` state with weight 1; its prefix length counts the tokens since the first
     supervised token of its sequence (the end of the prompt for prompt-completion data; with packing or
     padding-free batches, sequences are split where `position_ids` restart at 0).
+
+    Bad input (an empty dataset, no text/prompt/messages column, a tokenizer without eos, rows longer than the model's
+    context) is refused before training, with the fix in the message; a non-finite gradient stops training before the
+    optimizer applies it (docs/bad-input.md).
 
     Args:
         *args, **kwargs: the arguments of [`~trl.SFTTrainer`].
@@ -26,7 +41,14 @@ class StateLensSFTTrainer(StateRecorderMixin, SFTTrainer):
     """
 
     def __init__(self, *args, state_logging: bool = True, **kwargs):
+        given = bound_arguments(SFTTrainer, args, kwargs)
+        text_field = getattr(given.get("args"), "dataset_text_field", "text")
+        check_train_dataset(given.get("train_dataset"), (text_field, *SFT_COLUMNS), "StateLensSFTTrainer")
+        tokenizer = tokenizer_of(given.get("processing_class"), given["model"])
+        check_tokenizer(tokenizer, getattr(given.get("args"), "eos_token", None))
+        load_safetensors_only(given.get("args"))
         super().__init__(*args, **kwargs)
+        check_sequence_lengths(self.train_dataset, context_length(self.model), self.args.max_length, "SFT")
         # The hook sees the loss's forward through any wrapper (DDP, DeepSpeed, PEFT): they all call this module
         self.model.register_forward_hook(self._record_fused_outputs, with_kwargs=True)
         attach_state_logging(self, state_logging)

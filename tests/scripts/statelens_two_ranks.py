@@ -129,3 +129,7 @@ accelerator = sft.accelerator
         }
     )
 )
+# Destroy the process group (it joins gloo's worker threads) while Python is still fully alive: a collective's last
+# reference dropped by a gloo thread during interpreter shutdown aborts the process ("terminate called without an
+# active exception", SIGABRT). See the note in tests/test_multiprocess.py.
+opd.end()

@@ -100,7 +100,7 @@ def load_model_and_tokenizer(path: str | Path, device: str | None = None):
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else "auto"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 

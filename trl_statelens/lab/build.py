@@ -142,7 +142,7 @@ def pretrain(
     rng, buffer, step, history = random.Random(f"{world.seed}-pretrain-{seed}"), [], 0, []
     torch.manual_seed(seed)
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=True)  # tensors and plain data only, never code
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         rng.setstate(state["rng"])
@@ -213,7 +213,8 @@ def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, *
     result = pretrain(model, tokenizer, world, root / "pretrain", seed=seed, log=log, **pretrain_kwargs)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
-    model = AutoModelForCausalLM.from_pretrained(root / "base")  # score exactly what downstream code will load
+    # score exactly what downstream code will load
+    model = AutoModelForCausalLM.from_pretrained(root / "base", use_safetensors=True)
     scores = evaluate_base(model, tokenizer, world, split="test")
     info = {
         "seed": seed,
@@ -251,7 +252,7 @@ def build_teacher(
     started = time.perf_counter()
     world = LabWorld(seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(root / "base")
-    model = AutoModelForCausalLM.from_pretrained(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(root / "base", use_safetensors=True)
     rows = world.math("train", n=steps * batch_size, seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     torch.manual_seed(seed)

@@ -1,0 +1,302 @@
+"""Bad input gets a clear message before work starts, or a documented logged skip, and loses no finished work.
+
+One test per row of docs/bad-input.md.
+"""
+
+import json
+import logging
+
+import pytest
+import torch
+from cpu_settings import CPU
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, SFTConfig
+
+from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
+from trl_statelens.data import load_gsm8k
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def sft_args(tmp_path, **overrides):
+    settings = dict(per_device_train_batch_size=2, max_steps=1)
+    return SFTConfig(output_dir=str(tmp_path / "sft"), **{**CPU, **settings, **overrides})
+
+
+def grpo_args(tmp_path, **overrides):
+    settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1)
+    return GRPOConfig(output_dir=str(tmp_path / "grpo"), **{**CPU, **settings, **overrides})
+
+
+def grpo(student_path, tmp_path, dataset, reward=constant_reward, **overrides):
+    return StateLensGRPOTrainer(
+        model=str(student_path), reward_funcs=reward, args=grpo_args(tmp_path, **overrides), train_dataset=dataset
+    )
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_empty_dataset(tmp_path, student_path, math_dataset):
+    empty = math_dataset.select([])
+    with pytest.raises(ValueError, match="train_dataset has no rows"):
+        StateLensSFTTrainer(model=str(student_path), args=sft_args(tmp_path), train_dataset=empty)
+    with pytest.raises(ValueError, match="train_dataset has no rows"):
+        grpo(student_path, tmp_path, empty)
+    with pytest.raises(ValueError, match="OnPolicyDistillTrainer: train_dataset has no rows"):
+        opd(student_path, tmp_path / "no_teacher_needed", tmp_path, empty)  # refused before the teacher loads
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no rows"):
+        load_gsm8k(str(tmp_path / "empty.jsonl"))
+
+
+def test_no_prompt_column(tmp_path, student_path, math_dataset):
+    rows = math_dataset.select_columns(["question", "answer"])
+    with pytest.raises(ValueError, match="no 'prompt' column .*found \\['question', 'answer'\\].*rename"):
+        grpo(student_path, tmp_path, rows)
+    with pytest.raises(ValueError, match="no 'text' or 'messages' or 'prompt' or 'input_ids' column"):
+        StateLensSFTTrainer(model=str(student_path), args=sft_args(tmp_path), train_dataset=rows)
+
+
+def test_prompt_longer_than_the_context(tmp_path, student_path, math_dataset, tokenizer):
+    context = 512  # the `test`-size models' max_position_embeddings
+    long_prompt = "Question: " + "Ava has 3 apples. " * 120 + "\nAnswer:"
+    assert len(tokenizer(long_prompt).input_ids) > context
+    rows = Dataset.from_list([*math_dataset.select_columns(["prompt", "completion"]).to_list()[:3],
+                              {"prompt": long_prompt, "completion": " 3"}])  # fmt: skip
+    with pytest.raises(ValueError, match="1 prompt\\(s\\) do not fit the model's context of 512 .*row 3"):
+        grpo(student_path, tmp_path, rows.select_columns(["prompt"]))
+    # a prompt that fits alone, but not with max_completion_length generated tokens after it
+    with pytest.raises(ValueError, match="with 500 tokens after them"):
+        grpo(student_path, tmp_path, rows.select(range(3)), max_completion_length=500)
+    # OPD continuations: up to continuation_length teacher tokens after a full rollout
+    with pytest.raises(ValueError, match="with 476 tokens after them"):
+        opd(student_path, student_path, tmp_path, rows.select(range(3)), max_completion_length=460,
+            signal="continuation", continuation_length=16)  # fmt: skip
+    opd(student_path, student_path, tmp_path, rows.select(range(3)), max_completion_length=460)  # fits
+    # SFT truncates to max_length; without a max_length, rows longer than the context are refused
+    with pytest.raises(ValueError, match="do not fit the model's context of 512 tokens .*max_length=None"):
+        StateLensSFTTrainer(model=str(student_path), args=sft_args(tmp_path, max_length=None), train_dataset=rows)
+
+
+def test_completions_all_empty_or_all_clipped(tmp_path, student_path, math_dataset, tokenizer):
+    prompts = math_dataset.select_columns(["prompt"])
+    # every completion empty: the model may only emit eos
+    only_eos = [i for i in range(len(tokenizer)) if i != tokenizer.eos_token_id]
+    trainer = grpo(student_path, tmp_path / "empty", prompts, generation_kwargs={"suppress_tokens": only_eos})
+    trainer.train()
+    (step,) = read_jsonl(tmp_path / "empty" / "grpo" / "statelens" / "steps.jsonl")
+    assert step["supervised_tokens"] == step["sequences"] == 2  # the eos token of each completion, nothing else
+    # every completion clipped at max_completion_length, and clipped completions masked out of the loss: a step
+    # with nothing to supervise is still a step, logged with 0 supervised tokens
+    trainer = grpo(student_path, tmp_path / "clipped", prompts, generation_kwargs={"suppress_tokens": [tokenizer.eos_token_id]}, mask_truncated_completions=True)  # fmt: skip
+    trainer.train()
+    (step,) = read_jsonl(tmp_path / "clipped" / "grpo" / "statelens" / "steps.jsonl")
+    assert step["supervised_tokens"] == step["sequences"] == 0 and "state_nll" not in step
+    logs = trainer.state.log_history[0]
+    assert logs["completions/clipped_ratio"] == 1.0 and logs["loss"] == 0.0
+
+
+def test_reward_function_that_raises_or_returns_nan(tmp_path, student_path, math_dataset):
+    prompts = math_dataset.select_columns(["prompt"])
+
+    def broken_reward(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            raise ZeroDivisionError("division by zero")
+        return [1.0] * len(completions)
+
+    trainer = grpo(student_path, tmp_path / "raises", prompts, reward=broken_reward, max_steps=3)
+    with pytest.raises(RuntimeError, match="reward function \\(broken_reward\\) raised ZeroDivisionError in step 2"):
+        trainer.train()
+    ledger = tmp_path / "raises" / "grpo" / "statelens"
+    assert [line["step"] for line in read_jsonl(ledger / "steps.jsonl")] == [1]  # step 1 kept
+
+    def nan_reward(completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    callback = StateLoggingCallback(sample_rate=1.0)
+    trainer = StateLensGRPOTrainer(
+        model=str(student_path), reward_funcs=[nan_reward, constant_reward], args=grpo_args(tmp_path / "nan"),
+        train_dataset=prompts, callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()  # NaN is "no score" for that function: the others still count
+    states = read_jsonl(tmp_path / "nan" / "grpo" / "statelens" / "states.jsonl")
+    assert [s["reward"] for s in states] == [1.0, 1.0]
+    assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
+
+
+class PoisonAfterStep(TrainerCallback):
+    """Turns one weight into NaN at the end of step `step`: the next step's loss and gradients are NaN."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                model.get_input_embeddings().weight[:, 0] = float("nan")
+
+
+def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path, student_path, math_dataset):
+    args = sft_args(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, max_length=128)
+    trainer = StateLensSFTTrainer(
+        model=str(student_path), args=args, train_dataset=math_dataset, callbacks=[PoisonAfterStep(1)]
+    )
+    norm = trainer.model.model.norm.weight
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm \\(nan\\) in step 2.*after step 1"):
+        trainer.train()
+    assert torch.isfinite(norm).all()  # the NaN gradients never reached the weights
+    out = tmp_path / "sft"
+    assert [line["step"] for line in read_jsonl(out / "statelens" / "steps.jsonl")] == [1]
+    assert (out / "checkpoint-1").is_dir()  # finished work is kept: resume from there
+
+
+def test_tokenizer_without_eos(tmp_path, student_path, math_dataset, tokenizer_path):
+    broken = AutoTokenizer.from_pretrained(tokenizer_path)
+    broken.pad_token, broken.eos_token = None, None
+    with pytest.raises(ValueError, match="the tokenizer has no eos token: .*tokenizer.eos_token = "):
+        StateLensGRPOTrainer(model=str(student_path), reward_funcs=constant_reward, args=grpo_args(tmp_path),
+                             train_dataset=math_dataset, processing_class=broken)  # fmt: skip
+    with pytest.raises(ValueError, match="the tokenizer has no eos token"):
+        StateLensSFTTrainer(
+            model=str(student_path), args=sft_args(tmp_path), train_dataset=math_dataset, processing_class=broken
+        )
+    broken.eos_token = "<|endoftext|>"  # no pad token is fine: TRL pads with eos
+    StateLensSFTTrainer(
+        model=str(student_path), args=sft_args(tmp_path), train_dataset=math_dataset, processing_class=broken
+    )
+
+
+def test_probe_prompts_longer_than_the_context(tmp_path, student_path, math_dataset):
+    callback = StateLoggingCallback(probe_prompts=["Question: " + "Ava has 3 apples. " * 120], probe_max_new_tokens=8)
+    trainer = StateLensSFTTrainer(
+        model=str(student_path), args=sft_args(tmp_path, max_length=128), train_dataset=math_dataset,
+        callbacks=[callback],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="probe prompt of \\d+ tokens plus probe_max_new_tokens=8 .* context of 512"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def opd(student_path, teacher, tmp_path, dataset, **overrides):
+    from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+
+    settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1)
+    args = OnPolicyDistillConfig(output_dir=str(tmp_path / "opd"), **{**CPU, **settings, **overrides})
+    return OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher), args=args, train_dataset=dataset
+    )
+
+
+def test_teacher_with_another_chat_template_warns(tmp_path, student_path, teacher_path, math_dataset, caplog):
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_path, teacher)
+    prompts = math_dataset.select_columns(["prompt"])
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd_trainer"):
+        opd(student_path, teacher, tmp_path, prompts)
+    assert "chat template" not in caplog.text  # same tokenizer files: nothing to say
+    retemplated = AutoTokenizer.from_pretrained(teacher)
+    retemplated.chat_template = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    retemplated.save_pretrained(teacher)  # same vocabulary, another layout
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd_trainer"):
+        opd(student_path, teacher, tmp_path, prompts)
+    assert f"The teacher's chat template ({teacher}) differs from the student's" in caplog.text
+
+
+def test_output_dir_with_another_runs_ledger(tmp_path, student_path, math_dataset):
+    def trainer():
+        return StateLensSFTTrainer(
+            model=str(student_path), args=sft_args(tmp_path, max_length=128), train_dataset=math_dataset
+        )
+
+    trainer().train()
+    ledger = tmp_path / "sft" / "statelens" / "steps.jsonl"
+    first = ledger.read_bytes()
+    with pytest.raises(ValueError, match="holds another run's state ledger \\(steps.jsonl.*--resume_from_checkpoint"):
+        trainer().train()
+    assert ledger.read_bytes() == first  # untouched
+
+
+def test_malformed_gsm8k_answer_is_dropped_with_a_warning(tmp_path, caplog):
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(4)]
+    rows[2]["answer"] = "the answer is three"  # no final '#### N': it can be neither rewarded nor scored
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.data"):
+        dataset = load_gsm8k(str(path))
+    assert dataset["ground_truth"] == ["1", "2", "4"]
+    assert "dropped 1 of 4 rows whose answer has no final '#### N' (rows [2])" in caplog.text
+    path.write_text(json.dumps(rows[2]) + "\n")
+    with pytest.raises(ValueError, match="no answer ends with a final '#### N'"):
+        load_gsm8k(str(path))
+
+
+# ----- loading safely: no pickle, no remote code ------------------------------------------------------------------
+class WritesMarker:
+    """Unpickling this object runs code: it creates `path`. A safe loader never gets that far."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_models_load_from_safetensors_only(tmp_path, tokenizer, student_path):
+    from trl_statelens.evaluation import load_model_and_tokenizer
+    from trl_statelens.lab import build_model
+
+    pickled = tmp_path / "pickled"  # the weights in a pickle file, as older checkpoints ship them
+    model = build_model("test", tokenizer)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    tokenizer.save_pretrained(pickled)
+    prompts = Dataset.from_list([{"prompt": "Question: 1 + 1?\nAnswer:"}] * 4)
+    with pytest.raises(OSError, match="safetensors"):
+        StateLensSFTTrainer(model=str(pickled), args=sft_args(tmp_path), train_dataset=prompts)
+    with pytest.raises(OSError, match="safetensors"):
+        StateLensGRPOTrainer(model=str(pickled), reward_funcs=constant_reward, args=grpo_args(tmp_path),
+                             train_dataset=prompts)  # fmt: skip
+    with pytest.raises(OSError, match="safetensors"):
+        load_model_and_tokenizer(pickled, device="cpu")
+    with pytest.raises(OSError, match="safetensors"):  # the OPD teacher too
+        opd(student_path, pickled, tmp_path, prompts)
+
+
+def test_remote_code_is_not_run(tmp_path, student_path):
+    import shutil
+
+    custom = tmp_path / "custom"
+    shutil.copytree(student_path, custom)
+    marker = tmp_path / "remote_code_ran"
+    (custom / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w')\nfrom transformers import Qwen3Config as EvilConfig, Qwen3ForCausalLM as Evil\n"
+    )
+    config = json.loads((custom / "config.json").read_text())  # a model type only the folder's own code defines
+    config.update(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"})
+    (custom / "config.json").write_text(json.dumps(config))
+    prompts = Dataset.from_list([{"prompt": "Question: 1 + 1?\nAnswer:"}] * 4)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        StateLensGRPOTrainer(model=str(custom), reward_funcs=constant_reward, args=grpo_args(tmp_path),
+                             train_dataset=prompts)  # fmt: skip
+    assert not marker.exists()
+
+
+def test_lab_pretraining_checkpoint_loads_without_unpickling_code(tmp_path, world, tokenizer):
+    from trl_statelens.lab import build_model
+    from trl_statelens.lab.build import pretrain
+
+    marker = tmp_path / "pickle_code_ran"
+    (tmp_path / "pretrain").mkdir()
+    torch.save({"model": {}, "step": 1, "payload": WritesMarker(marker)}, tmp_path / "pretrain" / "ckpt.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        pretrain(build_model("test", tokenizer), tokenizer, world, tmp_path / "pretrain", log=lambda _: None,
+                 max_steps=1, batch_size=2, block=32, eval_every=1)  # fmt: skip
+    assert not marker.exists()

@@ -1,0 +1,128 @@
+"""Checks of a run's inputs, done before training starts: each names the problem and the fix (docs/bad-input.md).
+
+TRL would otherwise fail later with a `KeyError`, a `TypeError` from inside generation, or not at all: an empty
+dataset trains zero steps, and a prompt longer than the model's context is run past the positions the model knows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+from transformers import AutoTokenizer
+from trl.data_utils import maybe_apply_chat_template
+
+SFT_COLUMNS = ("messages", "prompt", "input_ids")  # besides `dataset_text_field`
+
+
+def bound_arguments(trainer_class, args: tuple, kwargs: dict) -> dict:
+    """The arguments of `trainer_class(*args, **kwargs)` by name, however they were passed."""
+    bound = inspect.signature(trainer_class.__init__).bind_partial(None, *args, **kwargs)
+    return bound.arguments
+
+
+def load_safetensors_only(args) -> None:
+    """Models given by path load from safetensors files only (no pickle), unless `model_init_kwargs` says otherwise;
+    `trust_remote_code` stays TRL's default, `False`."""
+    if args is not None and not isinstance(args.model_init_kwargs, str):
+        args.model_init_kwargs = {"use_safetensors": True, **(args.model_init_kwargs or {})}
+
+
+def check_train_dataset(dataset, required: tuple[str, ...], what: str) -> None:
+    """A training set with rows, holding one of the `required` columns (which the trainer `what` reads)."""
+    if dataset is None or isinstance(dataset, dict):  # dicts of datasets are for evaluation only
+        return
+    if hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise ValueError(f"{what}: train_dataset has no rows; check the data source or the filter that emptied it.")
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and not set(required) & set(columns):
+        raise ValueError(
+            f"{what}: train_dataset has no {' or '.join(repr(c) for c in required)} column (found {columns}); "
+            "rename your column (dataset.rename_column(...)) or build the rows in TRL's prompt/completion layout."
+        )
+
+
+def tokenizer_of(processing_class, model):
+    """The tokenizer the trainer will use: the one passed, else the model's (what TRL loads for a model path)."""
+    if processing_class is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        processing_class = AutoTokenizer.from_pretrained(name)
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
+def check_tokenizer(tokenizer, eos_token: str | None = None) -> None:
+    """An end-of-sequence token: completions end with it, and TRL pads with it when there is no pad token."""
+    if (eos_token or tokenizer.eos_token) is None:
+        pad = "" if tokenizer.pad_token is None else f" (its pad token is {tokenizer.pad_token!r})"
+        raise ValueError(
+            f"the tokenizer has no eos token{pad}: completions could never end and there is nothing to pad with. "
+            "Set one before training, e.g. tokenizer.eos_token = '<|endoftext|>' (a token of its vocabulary)."
+        )
+
+
+def context_length(model) -> int | None:
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def check_prompt_lengths(dataset, tokenizer, context: int | None, completion_length: int, what: str) -> None:
+    """Every prompt plus `completion_length` tokens after it fits in the model's context."""
+    if context is None or not hasattr(dataset, "__len__") or "prompt" not in (dataset.column_names or ()):
+        return
+    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in dataset["prompt"]]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + completion_length > context:
+        too_long = sum(length + completion_length > context for length in lengths)
+        raise ValueError(
+            f"{what}: {too_long} prompt(s) do not fit the model's context of {context} tokens with "
+            f"{completion_length} tokens after them (max_completion_length, plus continuation_length for OPD "
+            f"continuations; the longest prompt, row {longest}, has {lengths[longest]} tokens). Filter or shorten "
+            "those prompts, or generate fewer tokens."
+        )
+
+
+def check_sequence_lengths(dataset, context: int | None, max_length: int | None, what: str) -> None:
+    """Tokenized SFT rows fit the model's context (TRL truncates them to `max_length`, when set)."""
+    if context is None or (max_length is not None and max_length <= context) or not hasattr(dataset, "__len__"):
+        return
+    if "input_ids" not in (dataset.column_names or ()):
+        return
+    longest = max(len(ids) for ids in dataset["input_ids"])
+    if longest > context:
+        raise ValueError(
+            f"{what}: training sequences of up to {longest} tokens do not fit the model's context of {context} "
+            f"tokens (max_length={max_length}). Set max_length to at most {context}, or shorten the rows."
+        )
+
+
+def check_probe_lengths(tokenizer, prompts: list[str], max_new_tokens: int, context: int | None) -> None:
+    """Probe prompts plus their sampled tokens fit the model's context."""
+    if context is None:
+        return
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if max(lengths) + max_new_tokens > context:
+        raise ValueError(
+            f"StateLoggingCallback: a probe prompt of {max(lengths)} tokens plus probe_max_new_tokens={max_new_tokens} "
+            f"does not fit the model's context of {context} tokens; use shorter probe prompts or fewer new tokens."
+        )
+
+
+class FiniteGradientsMixin:
+    """Stops training with a clear error at the first non-finite gradient norm, before the optimizer applies it.
+
+    A NaN or infinite loss gives non-finite gradients, so this catches both. The weights keep the last finite step,
+    checkpoints and the ledger hold every finished step, and the run can resume from its last checkpoint (with, for
+    example, a lower learning rate). The norm is the one the trainer computes anyway (for clipping and logging), the
+    same on every rank, so all ranks stop together.
+    """
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            raise FloatingPointError(
+                f"non-finite gradient norm ({float(grad_norm)}) in step {self.state.global_step + 1}, from a NaN or "
+                f"infinite loss or gradient: training stopped before the optimizer step, so the weights are those "
+                f"after step {self.state.global_step}. Finished steps are in the ledger and the last checkpoint; "
+                "resume from it with a lower learning_rate, max_grad_norm clipping, or fp32 instead of fp16."
+            )
+        return grad_norm
