@@ -88,7 +88,8 @@ def slope(sizes, costs) -> float:
 
 
 # ----- OPD vs DistillationTrainer --------------------------------------------------------------------------------
-def sweep_opd(config, tokenizer, world, steps) -> dict:
+def sweep_opd(config, tokenizer, world, steps, on_cell=None) -> dict:
+    """Every (V, T) cell; `on_cell(partial_results)` after each one, so an interrupted sweep keeps its cells."""
     dataset = Dataset.from_dict({"prompt": bench_opd.fixed_length_prompts(tokenizer, world, n=64)})
     model_dir = tempfile.mkdtemp(prefix="bench-scaling-opd-")
     cells = []
@@ -108,6 +109,8 @@ def sweep_opd(config, tokenizer, world, steps) -> dict:
                     f"train mem {runs[arm]['train_mem_mb']:.0f} MB ({time.perf_counter() - start:.0f}s)"
                 )
             cells.append(summarize_opd_cell(vocab_size, length, parameters["student"], runs))
+            if on_cell is not None:
+                on_cell({"cells": cells, "slopes": opd_slopes(cells), "complete": False})
     return {"cells": cells, "slopes": opd_slopes(cells)}
 
 
@@ -150,6 +153,62 @@ def opd_slopes(cells) -> dict:
                     "train_mem_mb": slope(sizes, [max(c["train_mem_mb"][arm], 1.0) for c in line]),
                 }
     return slopes
+
+
+PROFILED_METHODS = (
+    "training_step",
+    "_generate_and_score_completions",
+    "_generate",
+    "_teacher_logps",
+    "_compute_loss",
+    "_divergence_loss",
+    "_token_logps_and_entropy",
+    "_record_states",
+    "_log_teacher_metrics",
+)
+
+
+def profile_opd(arm, vocab_size, length, steps=1, config=FULL) -> dict:
+    """One OPD or distill run with the time of each phase per step (the trainer's methods in PROFILED_METHODS that
+    it has, timed where they are defined; nested ones count inside their callers too), to explain a ratio."""
+    world = LabWorld(seed=0)
+    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
+    tokenizer.model_max_length = 4096
+    dataset = Dataset.from_dict({"prompt": bench_opd.fixed_length_prompts(tokenizer, world, n=64)})
+    shape = config["opd_model"]
+    paths, _ = bench_opd.save_models(tokenizer, vocab_size, tempfile.mkdtemp(prefix="bench-profile-"), shape, shape)
+    phases = {}
+
+    def timed(name, method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            value = method(*args, **kwargs)
+            phases.setdefault(name, []).append(time.perf_counter() - start)
+            return value
+
+        return wrapper
+
+    def run():  # in a forked child: the patched classes do not outlive it
+        trainer_class = bench_opd.DistillationTrainer if arm == "distill" else bench_opd.OnPolicyDistillTrainer
+        for name in PROFILED_METHODS:
+            if hasattr(trainer_class, name):
+                setattr(trainer_class, name, timed(name, getattr(trainer_class, name)))
+        result = bench_opd.run_arm(
+            arm,
+            paths["student"],
+            paths["teacher"],
+            tokenizer,
+            dataset,
+            steps,
+            arm == "reverse_kl",
+            rollouts=config["opd_rollouts"],
+            completion_tokens=length,
+        )
+        total_steps = bench_opd.WARMUP_STEPS + steps
+        result["phase_seconds_per_step"] = {name: sum(v) / total_steps for name, v in phases.items()}
+        return result
+
+    return run_forked(run)
 
 
 # ----- SFT state logging on packed sequences -----------------------------------------------------------------
@@ -269,16 +328,29 @@ def sweep_probe(config, world) -> dict:
                 if k != "mmd"
             )
         points.append(point)
+    return {
+        "points": points,
+        "slopes": probe_slopes(points),
+        "probe_step": run_forked(measure_probe_step, config, world),
+    }
+
+
+def probe_slopes(points) -> dict:
+    """Growth of the exact path over the sizes it ran at, and of the linear path above the exact budget (below it,
+    its fixed cost, the random frequencies, dominates)."""
     slopes = {}
-    for path in ("linear", "exact"):
-        line = [p for p in points if path in p]
+    for path, keep in (
+        ("exact", lambda p: True),
+        ("linear", lambda p: p["states_per_side"] > drift_module.MAX_EXACT_STATES),
+    ):
+        line = [p for p in points if path in p and keep(p)]
         if len(line) >= 2:
             sizes = [p["states_per_side"] for p in line]
             slopes[path] = {
                 "seconds": slope(sizes, [p[path]["seconds"] for p in line]),
                 "train_mem_mb": slope(sizes, [max(p[path]["train_mem_mb"], 1.0) for p in line]),
             }
-    return {"points": points, "slopes": slopes, "probe_step": run_forked(measure_probe_step, config, world)}
+    return slopes
 
 
 def measure_probe_step(config, world) -> dict:
@@ -419,10 +491,15 @@ def main(quick: bool = False, only: str | None = None, steps: int = 2, out: Path
     world = LabWorld(seed=0)
     tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
     tokenizer.model_max_length = 4096  # packed SFT sequences and OPD rollouts go past the lab's 512
+
+    def keep_partial(partial):
+        results["opd"] = partial
+        write_results(f"scaling{suffix}", results, directory=out)
+
     sweeps = {
         "probe": lambda: sweep_probe(config, world),
         "sft": lambda: sweep_sft(config, tokenizer, world, steps),
-        "opd": lambda: sweep_opd(config, tokenizer, world, steps),
+        "opd": lambda: {**sweep_opd(config, tokenizer, world, steps, keep_partial), "complete": True},
     }
     for name, sweep in sweeps.items():
         if only not in (None, name):
@@ -444,11 +521,83 @@ def main(quick: bool = False, only: str | None = None, steps: int = 2, out: Path
     return results
 
 
+def markdown_tables(results) -> str:
+    """The tables of BENCHMARKS.md's scaling section, from a results JSON."""
+    lines = []
+    if "opd" in results:
+        lines += [
+            "| V | T | distill s | reverse_kl time | memory | continuation time | memory | divergence time | memory "
+            "| distill train MB | rkl step / floor | rkl non-generation |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c in results["opd"]["cells"]:
+            lines.append(
+                f"| {c['vocab_size']} | {c['completion_tokens']} | {c['step_seconds']['distill']:.2f} "
+                + "".join(f"| {c[f'{a}_time_ratio']:.3f} | {c[f'{a}_memory_ratio']:.3f} " for a in OPD_ARMS[1:])
+                + f"| {c['train_mem_mb']['distill']:.0f} | {c['reverse_kl_step_over_floor']:.3f} "
+                f"| {c['reverse_kl_non_generation_ratio']:.3f} |"
+            )
+        lines += ["", "| growth (log-log slope) | " + " | ".join(OPD_ARMS) + " |", "|---|" + "---:|" * len(OPD_ARMS)]
+        keys = sorted({k.split(" ", 1)[1] for k in results["opd"]["slopes"]})
+        for key in keys:
+            for measure in ("step_seconds", "train_mem_mb"):
+                row = [results["opd"]["slopes"].get(f"{arm} {key}", {}).get(measure) for arm in OPD_ARMS]
+                lines.append(f"| {measure} {key} | " + " | ".join("" if v is None else f"{v:.2f}" for v in row) + " |")
+        lines.append("")
+    if "sft" in results:
+        lines += [
+            "| packed length | stock step s | lens / stock step | 1 + own code / stock step | train memory | "
+            "stock train MB | extra forwards |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for p in results["sft"]["points"]:
+            lines.append(
+                f"| {p['max_length']} | {p['stock_step_seconds']:.2f} | {p['time_ratio']:.3f} | "
+                f"{p['own_code_ratio']:.4f} | {p['memory_ratio']:.3f} | {p['stock_train_mem_mb']:.0f} | "
+                f"{max(p['extra_forwards'])} |"
+            )
+        lines += ["", "slopes: " + ", ".join(f"{k} {v:.2f}" for k, v in results["sft"]["slopes"].items()), ""]
+    if "probe" in results:
+        lines += [
+            "| probes x words | states a side | linear s | linear MB | default s | default MB | exact s | exact MB "
+            "| MMD estimate error (seeds) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for p in results["probe"]["points"]:
+
+            def cell(path, p=p):
+                if path in p:
+                    return f"{p[path]['seconds']:.2f} | {p[path]['train_mem_mb']:.0f}"
+                return "= linear | = linear" if path == "default" else "not run | not run"
+
+            errors = ", ".join(f"{e:+.1%}" for e in p.get("mmd_relative_errors", []))
+            lines.append(
+                f"| {p['probes']} x {p['words']} | {p['states_per_side']} | {cell('linear')} | {cell('default')} "
+                f"| {cell('exact')} | {errors} |"
+            )
+        lines += ["", "slopes: " + json.dumps(results["probe"]["slopes"]), ""]
+        step = results["probe"].get("probe_step")
+        if step:
+            lines.append("probe step: " + json.dumps(step))
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: tiny models and sizes, about a minute")
     parser.add_argument("--only", choices=("opd", "sft", "probe"))
     parser.add_argument("--steps", type=int, default=2, help="measured steps per run, after one warm-up step")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and the plots go")
+    parser.add_argument(
+        "--tables", action="store_true", help="print the markdown tables of the JSON in --out and exit"
+    )
+    parser.add_argument("--profile", nargs=3, metavar=("ARM", "V", "T"), help="time one run's phases and exit")
     options = parser.parse_args()
-    main(options.quick, options.only, options.steps, options.out)
+    if options.profile:
+        arm, vocab_size, length = options.profile
+        print(json.dumps(profile_opd(arm, int(vocab_size), int(length), options.steps), indent=1))
+    elif options.tables:
+        name = "scaling_quick.json" if options.quick else "scaling.json"
+        print(markdown_tables(json.loads((options.out / name).read_text())))
+    else:
+        main(options.quick, options.only, options.steps, options.out)
