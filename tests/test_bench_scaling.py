@@ -37,7 +37,7 @@ def test_quick_scaling_sweep_writes_every_field(tmp_path):
         assert point["other_distances_max_relative_error"] < 1e-9
         assert all(abs(error) < 0.15 for error in point["mmd_relative_errors"])
         assert point["linear"]["train_mem_mb"] >= 0 and point["linear"]["seconds"] > 0
-    assert set(results["probe"]["slopes"]) == {"linear", "exact"}
+    assert set(results["probe"]["slopes"]) == {"exact"}  # the linear path's growth is fitted above 1024 states
     step = results["probe"]["probe_step"]
     assert len(step["sample_seconds"]) == 2 and len(step["drift_seconds"]) == 1 and step["states"][0] > 0
     assert step["probe_step_seconds"] > 0 and step["training_step_seconds"] > 0
@@ -66,6 +66,7 @@ def test_quick_scaling_sweep_writes_every_field(tmp_path):
         for arm in ("reverse_kl", "continuation", "divergence"):
             assert cell[f"{arm}_time_ratio"] > 0 and cell[f"{arm}_memory_ratio"] > 0
         assert cell["reverse_kl_step_over_floor"] > 0 and "reverse_kl_non_generation_ratio" in cell
+    assert results["opd"]["complete"] is True
     slopes = results["opd"]["slopes"]
     assert "reverse_kl vs vocab_size at completion_tokens=8" in slopes
     assert "distill vs completion_tokens at vocab_size=1024" in slopes
