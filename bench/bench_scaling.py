@@ -204,8 +204,7 @@ def profile_opd(arm, vocab_size, length, steps=1, config=FULL) -> dict:
             rollouts=config["opd_rollouts"],
             completion_tokens=length,
         )
-        total_steps = bench_opd.WARMUP_STEPS + steps
-        result["phase_seconds_per_step"] = {name: sum(v) / total_steps for name, v in phases.items()}
+        result["phase_seconds_per_call"] = phases  # in call order: the warm-up step's calls come first
         return result
 
     return run_forked(run)
