@@ -18,15 +18,15 @@ states (64 probes x 200 words are 12,800 states a side: 23 GB and 151 s for one 
 :class:`PrefixFeatures` therefore keeps the prefix states of a set of completions in linear memory (each completion's
 hashed n-grams once, in the order its prefixes add them), and :func:`probe_drift` computes the four distances from it:
 
-- up to `max_states` states a side (default :data:`MAX_EXACT_STATES`, 1024, above the default 16 probes x 64 tokens),
-  exactly as :func:`drift_metrics` on the dense features (the same values, bit for bit);
+- up to `max_states` states a side (default :data:`MAX_EXACT_STATES`, 1024; the default 16 probes x 64 tokens give
+  about 800), exactly as :func:`drift_metrics` on the dense features (the same values, bit for bit);
 - above it, centroid distance, sliced Wasserstein and Jaccard stay exact, computed from running sums over each
   completion's n-grams (time and memory linear in the states), and MMD is estimated with random Fourier features
   (:func:`mmd2_random_features`): the mean of `|mean_i exp(i w.x_i) - mean_j exp(i w.y_j)|^2` over
   `num_frequencies` random frequencies `w`, an unbiased estimate of the same biased (V-statistic) MMD at a bandwidth
-  that is the median over random pairs. Time is linear in the states and the frequencies, memory bounded by the
-  chunking (a few tens of MB). Its error against the exact value is measured in BENCHMARKS.md and pinned in
-  `tests/test_drift.py`.
+  that is the median over random pairs. Time is linear in the states and the frequencies; memory is linear in the
+  states (the `(states, 128)` projections) plus blocks of at most `CHUNK_ELEMENTS` floats. Its error against the exact
+  value and its cost are measured in BENCHMARKS.md (section 4.1) and pinned in `tests/test_drift.py`.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ class PrefixFeatures:
         return torch.nn.functional.normalize(features, dim=1)
 
     def _inverse_norms(self) -> torch.Tensor:
-        return torch.where(self.norms > 0, 1 / self.norms.clamp(min=1), 0.0)  # empty states are zero vectors
+        # empty states are zero vectors; any other norm is at least 1 (integer counts), so the clamp only avoids 1 / 0
+        return torch.where(self.norms > 0, 1 / self.norms.clamp(min=1), 0.0)
 
     def project(self, matrix: torch.Tensor) -> torch.Tensor:
         """`dense() @ matrix` for a `(num_features, k)` matrix, in its dtype, from running sums of its rows over each
