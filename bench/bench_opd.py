@@ -64,16 +64,26 @@ def fixed_length_prompts(tokenizer, world, n: int) -> list[str]:
     return prompts
 
 
-def run_arm(arm, student_path, teacher_path, tokenizer, dataset, steps, with_floor):
+def run_arm(
+    arm,
+    student_path,
+    teacher_path,
+    tokenizer,
+    dataset,
+    steps,
+    with_floor,
+    rollouts=ROLLOUTS_PER_STEP,
+    completion_tokens=COMPLETION_TOKENS,
+):
     """One training run in a forked child: step times, forwards per step, peak memory (and the floor)."""
     output_dir = tempfile.mkdtemp(prefix=f"bench-{arm}-")
     common = dict(
         output_dir=output_dir,
         max_steps=WARMUP_STEPS + steps,
-        per_device_train_batch_size=ROLLOUTS_PER_STEP,
-        max_completion_length=COMPLETION_TOKENS,
+        per_device_train_batch_size=rollouts,
+        max_completion_length=completion_tokens,
         temperature=1.0,
-        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
+        generation_kwargs={"min_new_tokens": completion_tokens},
         **CPU_ARGS,
     )
     if arm == "distill":
@@ -111,13 +121,31 @@ def run_arm(arm, student_path, teacher_path, tokenizer, dataset, steps, with_flo
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
     modules = {"student": backbone(trainer.model), "teacher": backbone(teacher)}
     result = train_and_measure(trainer, modules, WARMUP_STEPS)
-    completion_tokens = ROLLOUTS_PER_STEP * (
-        COMPLETION_TOKENS if arm != "continuation" else COMPLETION_TOKENS + CONTINUATION_TOKENS
-    )
-    result["tokens_per_second"] = completion_tokens / statistics.median(result["step_seconds"])
+    tokens = rollouts * (completion_tokens + (CONTINUATION_TOKENS if arm == "continuation" else 0))
+    result["tokens_per_second"] = tokens / statistics.median(result["step_seconds"])
     if with_floor:
         result["floor"] = measure_floor(trainer, teacher, batches[WARMUP_STEPS:])
     return result
+
+
+def save_models(tokenizer, vocab_size, directory, student_shape, teacher_shape):
+    """A random-init student and teacher (seeds 0 and 1) at `vocab_size`, saved with the tokenizer: their paths and
+    parameter counts."""
+    paths, parameters = {}, {}
+    for name, shape, seed in (("student", student_shape, 0), ("teacher", teacher_shape, 1)):
+        model = build_qwen3(tokenizer, **shape, vocab_size=vocab_size, seed=seed)
+        paths[name] = f"{directory}/{name}-{vocab_size}"
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+        parameters[name] = count_parameters(model)
+    return paths, parameters
+
+
+def run_arm_forked(arm, paths, tokenizer, dataset, steps, **sizes):
+    """`run_arm` in a forked child, with the floor measured on the reverse_kl arm."""
+    return run_forked(
+        run_arm, arm, paths["student"], paths["teacher"], tokenizer, dataset, steps, arm == "reverse_kl", **sizes
+    )
 
 
 def measure_floor(trainer, teacher, batches) -> dict:
@@ -174,28 +202,15 @@ def main(repeats: int = 3, steps: int = 4) -> dict:
     results = {"setup": {}, "runs": {}}
     tables = []
     for vocab_size in VOCAB_SIZES:
-        paths = {}
-        for name, shape, seed in (("student", STUDENT, 0), ("teacher", TEACHER, 1)):
-            model = build_qwen3(tokenizer, **shape, vocab_size=vocab_size, seed=seed)
-            paths[name] = f"{model_dir}/{name}-{vocab_size}"
-            model.save_pretrained(paths[name])
-            tokenizer.save_pretrained(paths[name])
-            results["setup"][f"{name}_params_V{vocab_size}"] = count_parameters(model)
+        paths, parameters = save_models(tokenizer, vocab_size, model_dir, STUDENT, TEACHER)
+        for name in paths:
+            results["setup"][f"{name}_params_V{vocab_size}"] = parameters[name]
         runs = {arm: [] for arm in ARMS}
         for repeat in range(repeats):
             arms = ARMS if repeat % 2 == 0 else ARMS[::-1]  # alternate the order as well
             for arm in arms:
                 start = time.perf_counter()
-                run = run_forked(
-                    run_arm,
-                    arm,
-                    paths["student"],
-                    paths["teacher"],
-                    tokenizer,
-                    dataset,
-                    steps,
-                    with_floor=arm == "reverse_kl",
-                )
+                run = run_arm_forked(arm, paths, tokenizer, dataset, steps)
                 runs[arm].append(run)
                 say(
                     f"V={vocab_size} repeat {repeat + 1}/{repeats} {arm}: median step "

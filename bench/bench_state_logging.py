@@ -46,7 +46,9 @@ def digit_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in completion)) for completion in completions]
 
 
-def run_arm(kind, arm, model_path, tokenizer, dataset, probe_prompts, steps):
+def run_arm(
+    kind, arm, model_path, tokenizer, dataset, probe_prompts, steps, max_length=256, packing=False, batch=BATCH
+):
     """One training run in a forked child: step times, forwards per step, peak memory, time in our code."""
     output_dir = tempfile.mkdtemp(prefix=f"bench-{kind}-{arm}-")
     total_steps = WARMUP_STEPS + steps
@@ -56,7 +58,12 @@ def run_arm(kind, arm, model_path, tokenizer, dataset, probe_prompts, steps):
         callbacks = [StateLoggingCallback(probe_prompts=probe_prompts, probe_steps=probe_steps)]
     if kind == "sft":
         args = SFTConfig(
-            output_dir, max_steps=total_steps, per_device_train_batch_size=BATCH, max_length=256, **CPU_ARGS
+            output_dir,
+            max_steps=total_steps,
+            per_device_train_batch_size=batch,
+            max_length=max_length,
+            packing=packing,
+            **CPU_ARGS,
         )
         trainer_cls = SFTTrainer if arm == "stock" else StateLensSFTTrainer
         trainer = trainer_cls(
@@ -66,7 +73,7 @@ def run_arm(kind, arm, model_path, tokenizer, dataset, probe_prompts, steps):
         args = GRPOConfig(
             output_dir,
             max_steps=total_steps,
-            per_device_train_batch_size=BATCH,
+            per_device_train_batch_size=batch,
             num_generations=4,
             max_completion_length=COMPLETION_TOKENS,
             generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},

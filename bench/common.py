@@ -166,9 +166,9 @@ def print_table(title: str, rows: list[dict]) -> None:
     sys.stdout.flush()
 
 
-def write_results(name: str, data: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(name: str, data: dict, directory: Path = RESULTS_DIR) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(data, indent=2))
     return path
 

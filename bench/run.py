@@ -1,6 +1,7 @@
-"""`make bench`: every benchmark, one table each, results in bench/results/*.json (about 8 minutes on 2 cores).
+"""`make bench`: every benchmark, one table each, results in bench/results/*.json (about 8 minutes on 2 cores for
+state_logging and opd, then about 12 for the scaling sweep).
 
-.venv/bin/python bench/run.py [--repeats 3] [--steps 3] [--only state_logging|opd]
+.venv/bin/python bench/run.py [--repeats 3] [--steps 3] [--only state_logging|opd|scaling] [--quick]
 """
 
 import argparse
@@ -8,6 +9,7 @@ import platform
 import time
 
 import bench_opd
+import bench_scaling
 import bench_state_logging
 import torch
 from common import TORCH_THREADS, say, write_results
@@ -16,7 +18,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run, after one warm-up step")
-    parser.add_argument("--only", choices=("state_logging", "opd"))
+    parser.add_argument("--only", choices=("state_logging", "opd", "scaling"))
+    parser.add_argument("--quick", action="store_true", help="the scaling sweep's CI-sized mode")
     options = parser.parse_args()
 
     start = time.perf_counter()
@@ -26,6 +29,8 @@ if __name__ == "__main__":
         bench_state_logging.main(options.repeats, options.steps)
     if options.only in (None, "opd"):
         bench_opd.main(options.repeats, options.steps)
+    if options.only in (None, "scaling"):
+        bench_scaling.main(quick=options.quick)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     machine = {

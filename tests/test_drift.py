@@ -6,13 +6,19 @@ import pytest
 import torch
 
 from trl_statelens.drift import (
+    MAX_EXACT_STATES,
+    NUM_FEATURES,
+    PrefixFeatures,
     centroid_distance,
     drift_metrics,
     featurize,
     jaccard,
     median_bandwidth,
     mmd2,
+    mmd2_random_features,
     prefix_states,
+    probe_drift,
+    sampled_median_bandwidth,
     sliced_wasserstein,
 )
 
@@ -110,3 +116,75 @@ def test_bad_point_sets_raise():
         mmd2(torch.zeros(3, 2), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="empty"):
         centroid_distance(torch.zeros(0, 2), torch.zeros(3, 2))
+
+
+# ----- prefix features and probe drift above the exact budget ----------------------------------------------------
+def synthetic_completions(seed, num_completions, max_words, first_word=0, num_words=200):
+    """Completions of random words from `num_words` words starting at `first_word`; two sets drawn from overlapping
+    ranges have a known, moderate drift."""
+    generator = torch.Generator().manual_seed(seed)
+    completions = []
+    for _ in range(num_completions):
+        length = int(torch.randint(max_words // 2, max_words + 1, (1,), generator=generator))
+        ids = torch.randint(first_word, first_word + num_words, (length,), generator=generator)
+        completions.append(" ".join(f"w{i}" for i in ids.tolist()))
+    return completions
+
+
+@pytest.fixture(scope="module")
+def moderate_sets():
+    """About 300 prefix states a side: the exact path is cheap, and far above the budget the tests set."""
+    reference = synthetic_completions(0, 12, 40)
+    current = synthetic_completions(1, 12, 40, first_word=40)
+    return PrefixFeatures(reference), PrefixFeatures(current)
+
+
+def test_prefix_features_are_featurize_of_prefix_states():
+    completions = ["Ava has 3 apples.  Then\nBen, who (has) 4 ...", "", "ΑΣ ας ΣΑ x.y-z", "one", "a a a a b a"]
+    features = PrefixFeatures(completions)
+    dense = featurize(prefix_states(completions))
+    assert features.num_states == len(prefix_states(completions))
+    assert torch.equal(features.dense(), dense)  # bit for bit
+    index = torch.tensor([5, 0, 8])
+    assert torch.equal(features.dense(index), dense[index])
+    assert torch.allclose(features.mean(), dense.mean(0), rtol=0, atol=1e-15)
+    matrix = torch.randn(NUM_FEATURES, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.allclose(features.project(matrix), dense @ matrix, rtol=0, atol=1e-12)
+    assert torch.equal(features.used(), (dense != 0).any(0))
+
+
+def test_probe_drift_is_drift_metrics_within_the_budget():
+    reference = ["Ava starts with 3 apples.", "Ben starts with 4 coins."]
+    current = ["Ava starts with 5 apples.", "The bird is red."]
+    exact = drift_metrics(featurize(prefix_states(reference)), featurize(prefix_states(current)))
+    assert probe_drift(PrefixFeatures(reference), PrefixFeatures(current)) == exact  # the same values, exactly
+    assert MAX_EXACT_STATES >= 16 * 64  # the default probe set (16 prompts x 64 tokens) stays exact
+
+
+def test_probe_drift_above_the_budget_against_the_exact_values(moderate_sets):
+    reference, current = moderate_sets
+    exact = drift_metrics(reference.dense(), current.dense())
+    estimate = probe_drift(reference, current, max_states=100)
+    for name in ("centroid", "sliced_wasserstein", "jaccard"):  # exact up to float64 rounding in the running sums
+        assert estimate[name] == pytest.approx(exact[name], rel=1e-9), name
+    # MMD: random features (4096 frequencies) at a sampled-median bandwidth. The bound is about 3x the relative spread
+    # measured over seeds on sets like these (2.4%; BENCHMARKS.md has the measurement on probe-sized sets)
+    assert estimate["mmd"] == pytest.approx(exact["mmd"], rel=0.08)
+    unchanged = probe_drift(reference, reference, max_states=100)
+    assert all(value == 0.0 for value in unchanged.values()), unchanged  # an unchanged policy: exactly no drift
+
+
+@pytest.mark.slow
+def test_mmd_estimate_is_unbiased_and_its_bandwidth_is_the_median(moderate_sets):
+    reference, current = moderate_sets
+    exact_bandwidth = median_bandwidth(reference.dense(), current.dense())
+    generator = torch.Generator().manual_seed(0)
+    assert sampled_median_bandwidth(reference, current, 2048, generator) == pytest.approx(exact_bandwidth, rel=0.02)
+    exact = mmd2(reference.dense(), current.dense(), bandwidth=exact_bandwidth)
+    # Unbiased: the mean of 8 seeded estimates lands within 3% although each one varies (by about 4% at 1024
+    # frequencies)
+    estimates = torch.tensor(
+        [mmd2_random_features(reference, current, num_frequencies=1024, seed=seed) for seed in range(8)]
+    )
+    assert abs(estimates.mean().item() / exact - 1) < 0.03
+    assert estimates.std().item() / exact > 0.005

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import unwrap_model_for_generation
 
 from .checks import check_probe_lengths, context_length
-from .drift import drift_metrics, featurize, prefix_states
+from .drift import PrefixFeatures, probe_drift
 from .records import StateRecorderMixin, aggregate_states, prefix_len_histogram
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class StateLoggingCallback(TrainerCallback):
             self._prepare_ledger(resumed_at=state.global_step)
         if self.probe_prompts is not None:
             self._check_probe_lengths()
-            self._reference_features = featurize(prefix_states(self._reference_completions(state)))
+            self._reference_features = PrefixFeatures(self._reference_completions(state))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.records_states:
@@ -127,11 +127,11 @@ class StateLoggingCallback(TrainerCallback):
                 self._append("steps.jsonl", [line])
                 self._append("states.jsonl", records.samples)
         if self.probe_prompts is not None and state.global_step % self.probe_steps == 0:
-            states = prefix_states(self._sample_probes())
-            drift = drift_metrics(self._reference_features, featurize(states))
+            states = PrefixFeatures(self._sample_probes())
+            drift = probe_drift(self._reference_features, states)
             self._log_metrics({f"drift/{name}": value for name, value in drift.items()})
             if state.is_world_process_zero:
-                self._append("drift.jsonl", [{"step": state.global_step, **drift, "num_states": len(states)}])
+                self._append("drift.jsonl", [{"step": state.global_step, **drift, "num_states": states.num_states}])
 
     # ----- logging and ledger ----------------------------------------------------------------------------------
     def _log_metrics(self, metrics: dict[str, float]) -> None:
