@@ -62,6 +62,25 @@ def test_recipe_writes_results_and_ledger(tmp_path, monkeypatch, student_path, t
     assert (out / "model.safetensors").exists() and json.loads((out / "log_history.json").read_text())
 
 
+@pytest.mark.slow
+def test_recipe_evaluates_under_the_lm_eval_protocol(tmp_path, monkeypatch, student_path, teacher_path):
+    out = tmp_path / "sft_lm_eval"
+    argv = [*model_flags("sft", student_path, teacher_path), "--output_dir", str(out), "--eval_protocol", "lm-eval"]
+    run_in_process("sft", argv + TINY_RUN + ["--eval_tasks", "gsm8k,truthfulqa"] + RECIPE_FLAGS["sft"], monkeypatch)
+    for when in ("before", "after"):
+        evaluation = json.loads((out / "eval" / f"{when}.json").read_text())
+        assert evaluation["protocol"] == "lm-eval"
+        assert {s["protocol"] for s in evaluation["settings"].values()} == {"lm-eval"}
+        assert evaluation["settings"]["gsm8k"]["num_shots"] == 5  # lm-eval's GSM8K default, not ours (0)
+
+
+def test_recipe_rejects_an_unknown_eval_protocol(tmp_path, monkeypatch, student_path, teacher_path):
+    argv = [*model_flags("sft", student_path, teacher_path), "--output_dir", str(tmp_path / "x")]
+    with pytest.raises(ValueError, match="--eval_protocol must be"):
+        run_in_process("sft", argv + TINY_RUN + ["--eval_protocol", "lm_eval"], monkeypatch)
+    assert not (tmp_path / "x" / "eval").exists()  # refused before any work
+
+
 # ----- configs ---------------------------------------------------------------------------------------------------
 CONFIG_TYPES = {
     "eval": None,

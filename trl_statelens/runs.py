@@ -46,6 +46,9 @@ class RecipeArguments:
             or `"study"` (those sizes, which fit the study's numbers); all items when unset.
         eval_max_new_tokens: GSM8K generation budget; an answer not finished by then scores 0.
         eval_before: also score the starting model (skip it when a base evaluation run already has the scores).
+        eval_protocol: `"statelens"` (the package's own prompts and scoring) or `"lm-eval"` (lm-evaluation-harness
+            0.4.x's prompts, shots, filters and normalisation: numbers comparable with lm-eval's; GSM8K prompts are
+            then plain whatever `prompt_format` says). See the README's Evaluation section.
         num_probes: probe prompts (from the test split) for probe drift; 0 turns drift off.
         probe_steps: measure probe drift every this many steps.
         ledger_sample_rate: share of supervised sequences written with their text to the ledger.
@@ -62,6 +65,7 @@ class RecipeArguments:
     eval_limit: str | None = None
     eval_max_new_tokens: int = 256
     eval_before: bool = True
+    eval_protocol: str = "statelens"
     num_probes: int = 16
     probe_steps: int = 10
     ledger_sample_rate: float = 0.05
@@ -71,6 +75,8 @@ class RecipeArguments:
     def __post_init__(self):
         if self.baseline not in ("statelens", "stock"):
             raise ValueError(f"--baseline must be 'statelens' or 'stock', got {self.baseline!r}")
+        if self.eval_protocol not in ("statelens", "lm-eval"):
+            raise ValueError(f"--eval_protocol must be 'statelens' or 'lm-eval', got {self.eval_protocol!r}")
 
 
 def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
@@ -134,6 +140,9 @@ def evaluate(args: RecipeArguments, model_or_path, tokenizer, out: Path, seed: i
     tasks = [t.strip() for t in args.eval_tasks.split(",") if t.strip()]
     if not tasks:
         return None
+    gsm8k_kwargs = {"max_new_tokens": args.eval_max_new_tokens}
+    if args.eval_protocol == "statelens":  # lm-eval fixes the prompt itself
+        gsm8k_kwargs["prompt_format"] = args.prompt_format
     with without_zero3_init():
         results = evaluate_model(
             model_or_path,
@@ -142,9 +151,8 @@ def evaluate(args: RecipeArguments, model_or_path, tokenizer, out: Path, seed: i
             data_dir=None if args.eval_data == "hub" else args.eval_data,
             limit=parse_limit(None if args.eval_limit is None else str(args.eval_limit)),
             seed=seed,
-            task_kwargs={"gsm8k": {"prompt_format": args.prompt_format, "max_new_tokens": args.eval_max_new_tokens}}
-            if "gsm8k" in tasks
-            else None,
+            protocol=args.eval_protocol,
+            task_kwargs={"gsm8k": gsm8k_kwargs} if "gsm8k" in tasks else None,
             out=out,
         )
     results.pop("records")
