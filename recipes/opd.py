@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens.opd_trainer import load_teacher
 from trl_statelens.runs import (
     RecipeArguments,
     load_train_data,
@@ -35,10 +36,14 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
     dataset = load_train_data(args, training_args.seed)
     callback = state_logging_callback(args)
     if args.baseline == "stock":  # always on-policy, full-vocabulary JSD with beta = jsd_beta
+        stock_args = training_args.to_distillation_config()
+        stock_args.teacher_model_init_kwargs = (
+            None  # used by load_teacher: the same teacher as our arm (LoRA folders too)
+        )
         trainer = DistillationTrainer(
             model=model_path,
-            teacher_model=teacher_path,
-            args=training_args.to_distillation_config(),
+            teacher_model=load_teacher(teacher_path, training_args),
+            args=stock_args,
             train_dataset=dataset.select_columns(["prompt"]),
             peft_config=get_peft_config(model_args),
             callbacks=[callback],

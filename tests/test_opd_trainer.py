@@ -237,3 +237,49 @@ def test_peft_student_with_gradient_accumulation_trains_only_the_adapter(
     assert any(not torch.equal(after[k], v) for k, v in lora_before.items())
     steps = [json.loads(line) for line in open(tmp_path / "statelens" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [1, 2] and all(s["supervised_tokens"] > 0 for s in steps)
+
+
+# ----- teachers as users give them: LoRA adapter folders, bf16 checkpoints, distributed loading ------------------------
+@pytest.fixture(scope="module")
+def lora_sft_path(tmp_path_factory, math_trained_path, math_dataset):
+    """What a LoRA SFT run leaves: `adapter_config.json`, adapter weights and the tokenizer, no full model."""
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    from trl_statelens import StateLensSFTTrainer
+
+    out = tmp_path_factory.mktemp("lora_sft")
+    sft = StateLensSFTTrainer(
+        model=str(math_trained_path),
+        args=SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, **CPU),
+        train_dataset=math_dataset.select_columns(["prompt", "completion"]),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        state_logging=False,
+    )
+    sft.train()
+    sft.save_model(str(out))
+    assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    return out
+
+
+def test_lora_sft_output_is_a_teacher_merged_for_inference(tmp_path, lora_sft_path, math_trained_path, math_dataset):
+    from peft import PeftModel
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(lora_sft_path),
+        args=opd_config(tmp_path, max_steps=1),
+        train_dataset=math_dataset,
+    )
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    assert not isinstance(teacher, PeftModel) and not any("lora" in name for name, _ in teacher.named_parameters())
+    # base + adapter: the adapter's own outputs, and not the base model's
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(math_trained_path), lora_sft_path)
+    ids = trainer._tokenizer(math_dataset["prompt"][:2], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected, ours, untrained = (m(**ids).logits for m in (with_adapter.eval(), teacher, base.eval()))
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    assert (ours - untrained).abs().max() > 1e-2
+    trainer.train()
+    assert log_history(trainer, "teacher_kl")

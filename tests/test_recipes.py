@@ -183,3 +183,27 @@ def test_recipe_under_accelerate_launch(tmp_path, student_path, teacher_path, ac
     states = [json.loads(line) for line in (out / "statelens" / "states.jsonl").read_text().splitlines()]
     assert {s["rank"] for s in states} == {0, 1}  # both ranks' states reached the ledger
     assert results["after"]["scores"]
+
+
+# ----- the study chain: LoRA SFT -> its adapter folder as the OPD teacher, both arms -------------------------------------
+STUDY = RECIPES / "configs" / "study"
+ON_CPU_TINY = ["--use_cpu", "true", "--bf16", "false", "--dataset_name", "lab", "--eval_tasks", "", "--num_probes",
+               "0", "--max_steps", "1", "--logging_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_study_configs_chain_lora_sft_into_both_opd_arms(tmp_path, monkeypatch, student_path):
+    sft_out = tmp_path / "mild_sft"
+    run_in_process("sft", ["--config", str(STUDY / "mild_sft.yaml"), "--model_name_or_path", str(student_path),
+                           "--output_dir", str(sft_out), "--per_device_train_batch_size", "4", "--max_length", "96",
+                           *ON_CPU_TINY], monkeypatch)  # fmt: skip
+    assert (sft_out / "adapter_config.json").exists() and not (sft_out / "model.safetensors").exists()
+    for config, baseline in (("opd_from_mild_sft", "statelens"), ("opd_from_stress_sft", "stock")):
+        out = tmp_path / config
+        argv = ["--config", str(STUDY / f"{config}.yaml"), "--model_name_or_path", str(student_path),
+                "--teacher_model_name_or_path", str(sft_out), "--output_dir", str(out), "--baseline", baseline,
+                "--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8",
+                "--continuation_length", "4", *ON_CPU_TINY]  # fmt: skip
+        results = run_in_process("opd", argv, monkeypatch)
+        assert results["global_steps"] == 1 and results["teacher"] == str(sft_out)
+        assert results["trainer"] == ("DistillationTrainer" if baseline == "stock" else "OnPolicyDistillTrainer")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
+from transformers.utils.peft_utils import find_adapter_config_file
 from trl.kernels import ChunkedLogProbFunction
 from trl.kernels.chunked_logprob import _use_triton
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
@@ -91,7 +92,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             raise ValueError("OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id)")
         if isinstance(teacher_model, str):
             teacher_path = teacher_model
-            teacher_model = create_model_from_path(teacher_model, **(args.teacher_model_init_kwargs or {}))
+            teacher_model = load_teacher(teacher_model, args)
         else:
             teacher_path = None
             if args.teacher_model_init_kwargs is not None:
@@ -460,6 +461,35 @@ def _token_logps_and_entropy(hidden, head_weight, tokens, temperature, chunk_siz
         logps.append(log_probs.gather(-1, flat_tokens[start : start + chunk_size, None]).squeeze(-1))
         entropies.append(-(log_probs.exp() * log_probs).sum(-1))
     return torch.cat(logps).view_as(tokens), torch.cat(entropies).view_as(tokens)
+
+
+def load_teacher(name_or_path: str, args) -> PreTrainedModel:
+    """Load a teacher given by path or hub id as TRL's trainers load theirs, for inference.
+
+    `args.teacher_model_init_kwargs` go to `from_pretrained`; the dtype defaults to `"auto"` (a bf16 checkpoint
+    stays bf16, as in TRL's `DistillationTrainer`) and, under multi-GPU DDP or DeepSpeed, `device_map` is `None` (as
+    TRL's GRPO/Distillation trainers set it: ZeRO-3 rejects a device map and "auto" would put every rank's copy on
+    the first GPU). A PEFT adapter folder (`adapter_config.json` plus adapter weights, what a LoRA SFT run saves)
+    is loaded as its base model plus the adapter, merged: the teacher only runs inference.
+
+    `args` is an [`OnPolicyDistillConfig`] or TRL's `DistillationConfig` (the recipes' stock arm loads its teacher
+    here too, so both arms accept the same teacher folders).
+    """
+    kwargs = dict(args.teacher_model_init_kwargs or {})
+    kwargs.setdefault("dtype", "auto")
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        kwargs["device_map"] = None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if find_adapter_config_file(name_or_path, revision=kwargs.get("revision")) is None:
+        return create_model_from_path(name_or_path, **kwargs)
+    from peft import PeftConfig, PeftModel
+
+    revision = kwargs.pop("revision", None)  # the adapter's revision; its base model's is in adapter_config.json
+    adapter = PeftConfig.from_pretrained(name_or_path, revision=revision)
+    if adapter.revision is not None:
+        kwargs["revision"] = adapter.revision
+    base = create_model_from_path(adapter.base_model_name_or_path, **kwargs)
+    return PeftModel.from_pretrained(base, name_or_path, revision=revision).merge_and_unload()
 
 
 def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
