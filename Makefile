@@ -1,5 +1,5 @@
 # trl-statelens: `make install`, `make test`, `make demo`, `make lint`, `make bench`.
-# `make test` and `make demo` do the install first when needed (a stamp file), so each works on a fresh clone.
+# `make demo-real`: the same on the real SmolLM2-135M-Instruct. `make test` and `make demo` do the install first when needed (a stamp file), so each works on a fresh clone.
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo bench lab study-lab clean
+.PHONY: install test lint demo demo-real bench lab study-lab clean
 
 install: $(STAMP)
 
@@ -59,6 +59,17 @@ lab: $(CORE)
 THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: $(CORE)
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py
+
+# A few OPD steps on the real model (student SmolLM2-135M-Instruct, teacher the same after a short GSM8K LoRA SFT,
+# built first and cached in its run folder) on real GSM8K: ../shared/data when present, else the hub (network).
+REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
+REAL_ARGS := $(if $(REAL_DATA),--dataset_name $(REAL_DATA)/gsm8k --eval_data $(REAL_DATA),--dataset_name openai/gsm8k --eval_data hub)
+REAL_ENV := $(if $(REAL_DATA),,HF_HUB_OFFLINE=0)
+REAL_LAUNCH := $(REAL_ENV) $(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS)
+runs/real/gsm8k_lora_sft/adapter_config.json: | $(STAMP)
+	$(REAL_LAUNCH) recipes/sft.py --config recipes/configs/real/gsm8k_lora_sft.yaml $(REAL_ARGS)
+demo-real: runs/real/gsm8k_lora_sft/adapter_config.json
+	$(REAL_LAUNCH) recipes/opd.py --config recipes/configs/real/opd.yaml $(REAL_ARGS)
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
 study-lab: $(STAMP)

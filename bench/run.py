@@ -1,6 +1,8 @@
 """`make bench`: every benchmark, one table each, results in bench/results/*.json (about 8 minutes on 2 cores).
 
-.venv/bin/python bench/run.py [--repeats 3] [--steps 3] [--only state_logging|opd]
+.venv/bin/python bench/run.py [--repeats 3] [--steps 3] [--only state_logging|opd] [--size lab|real]
+
+`--size real`: the same benchmarks on the real SmolLM2-135M-Instruct (results in `*_real.json`).
 """
 
 import argparse
@@ -17,15 +19,16 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run, after one warm-up step")
     parser.add_argument("--only", choices=("state_logging", "opd"))
+    parser.add_argument("--size", choices=("lab", "real"), default="lab")
     options = parser.parse_args()
 
     start = time.perf_counter()
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     if options.only in (None, "state_logging"):
-        bench_state_logging.main(options.repeats, options.steps)
+        bench_state_logging.main(options.repeats, options.steps, options.size)
     if options.only in (None, "opd"):
-        bench_opd.main(options.repeats, options.steps)
+        bench_opd.main(options.repeats, options.steps, options.size)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     machine = {
@@ -38,5 +41,5 @@ if __name__ == "__main__":
         "load_average_after": load_after,
         "wall_seconds": round(time.perf_counter() - start),
     }
-    write_results("machine", machine)
+    write_results("machine_real" if options.size == "real" else "machine", machine)
     say(f"done in {machine['wall_seconds']} s; machine: {machine}")
