@@ -167,7 +167,9 @@ def test_sft_same_losses_as_stock_and_ledger(tmp_path, smollm2, prompt_format, l
     assert len(states) == 4 and all(s["source"] == "dataset" for s in states)
     if prompt_format == "chat":  # the real ChatML template: the default system prompt, the assistant turn
         assert all(s["prompt"].startswith("<|im_start|>system\nYou are a helpful AI assistant") for s in states)
-        assert all(s["completion"].endswith("<|im_end|>\n") or s["completion"].endswith("<|im_end|>") for s in states)
+        assert all(
+            s["prompt"].endswith("<|im_start|>assistant\n") and "<|im_start|>" not in s["completion"] for s in states
+        )
 
 
 def digit_reward(completions, **kwargs):
@@ -206,7 +208,7 @@ def test_grpo_same_losses_as_stock_and_ledger(tmp_path, smollm2, prompt_format, 
     torch.testing.assert_close(trainable_state(lens), trainable_state(stock))
     assert logs(lens, "statelens/state_entropy") == pytest.approx(logs(lens, "entropy"), rel=1e-4)
     steps = read_jsonl(tmp_path / "lens" / "statelens" / "steps.jsonl")
-    assert [s["step"] for s in steps] == [1, 2] and all(s["source_frac"]["learner"] == 1.0 for s in steps)
+    assert [s["step"] for s in steps] == [1, 2] and all(s["source_frac/learner"] == 1.0 for s in steps)
 
 
 # ----- on-policy distillation -----------------------------------------------------------------------------------------
@@ -330,7 +332,6 @@ def test_offpolicy_gap_separates_reference_answers_from_own_samples(tmp_path, sm
     measured = {
         "reference answers (SFT)": lens_gap(tmp_path, smollm2, "sft", StateLensSFTTrainer),
         "own samples, T=1": lens_gap(tmp_path, smollm2, "t1", StateLensGRPOTrainer, temperature=1.0),
-        "own samples, T=0.7": lens_gap(tmp_path, smollm2, "t07", StateLensGRPOTrainer, temperature=0.7),
         "own samples, T=1 top_k=20": lens_gap(
             tmp_path, smollm2, "k20", StateLensGRPOTrainer, temperature=1.0, top_k=20
         ),
@@ -339,12 +340,10 @@ def test_offpolicy_gap_separates_reference_answers_from_own_samples(tmp_path, sm
         print(
             f"offpolicy_gap {name}: {gap:+.3f} (95% bootstrap over sequences {low:+.3f} .. {high:+.3f}, {tokens} tokens)"
         )
-    reference, t1, t07, k20 = measured.values()
-    assert reference[1] > t1[2]  # reference answers are off-policy: intervals apart
-    assert (
-        t1[1] < 0 < t1[2] and t07[1] < 0 < t07[2]
-    )  # own samples: 0 at any temperature (records score the tempered policy)
-    assert k20[2] < 0  # truncated sampling picks tokens likelier than the entropy: a negative gap
+    reference, t1, k20 = measured.values()
+    assert reference[1] > t1[2]  # reference answers are off-policy: the 95% intervals lie apart
+    assert t1[1] < 0 < t1[2]  # own samples at temperature 1: 0 within the interval
+    assert k20[2] < 0  # truncated sampling draws tokens likelier than the entropy says: a negative gap
 
 
 # ----- evaluation -------------------------------------------------------------------------------------------------------
