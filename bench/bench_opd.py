@@ -11,7 +11,11 @@ The floor (reverse_kl arm, right after its training run, on the very token batch
 backward of a sampled-token loss on them, and the optimizer step. Each is timed on its own; the OPD step over their
 sum is the overhead ratio.
 
-    .venv/bin/python bench/bench_opd.py [--repeats 3] [--steps 4]
+    .venv/bin/python bench/bench_opd.py [--repeats 3] [--steps 4] [--size lab|real]
+
+`--size real` runs the same arms with the real SmolLM2-135M-Instruct (`smollm2-135m`: 30 layers, vocab 49,152) as
+student and as teacher (the same weights: the cost is that of a same-size teacher), rollouts of
+REAL_COMPLETION_TOKENS tokens, and writes `opd_real.json`.
 """
 
 import argparse
@@ -24,6 +28,7 @@ from common import (
     CPU_ARGS,
     backbone,
     count_parameters,
+    count_saved_parameters,
     print_table,
     ratio_row,
     run_forked,
@@ -32,10 +37,13 @@ from common import (
     write_results,
 )
 from datasets import Dataset
+from transformers import AutoTokenizer
 from trl import DistillationConfig, DistillationTrainer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
+from trl_statelens.real_models import SMOLLM2
+from trl_statelens.runs import resolve_model
 
 STUDENT = dict(hidden=256, layers=4, ffn=1024)
 TEACHER = dict(hidden=256, layers=4, ffn=1024)  # same shape, other weights: the teacher forward costs one student one
@@ -44,6 +52,7 @@ ROLLOUTS_PER_STEP = 8
 NUM_GENERATIONS = 2
 PROMPT_TOKENS = 48
 COMPLETION_TOKENS = 32
+REAL_COMPLETION_TOKENS = 16  # a step of the real model costs ~100x more than one of the lab-width models
 CONTINUATION_TOKENS = 16
 WARMUP_STEPS = 1
 ARMS = ("distill", "reverse_kl", "continuation", "divergence")
@@ -193,16 +202,25 @@ def measure_floor(trainer, teacher, batches) -> dict:
     return parts
 
 
-def main(repeats: int = 3, steps: int = 4) -> dict:
+def main(repeats: int = 3, steps: int = 4, size: str = "lab") -> dict:
     world = LabWorld(seed=0)
-    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
+    if size == "real":
+        real_path = resolve_model(SMOLLM2)
+        tokenizer = AutoTokenizer.from_pretrained(real_path)
+    else:
+        tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
     prompts = fixed_length_prompts(tokenizer, world, n=256)
     dataset = Dataset.from_dict({"prompt": prompts})
     model_dir = tempfile.mkdtemp(prefix="bench-opd-models-")
-    results = {"setup": {}, "runs": {}}
+    results = {"setup": {"size": size}, "runs": {}}
     tables = []
-    for vocab_size in VOCAB_SIZES:
-        paths, parameters = save_models(tokenizer, vocab_size, model_dir, STUDENT, TEACHER)
+    completion_tokens = REAL_COMPLETION_TOKENS if size == "real" else COMPLETION_TOKENS
+    for vocab_size in [len(tokenizer)] if size == "real" else VOCAB_SIZES:
+        if size == "real":  # the real model is its own teacher here: the same work as the lab rows, at real size
+            paths = {"student": real_path, "teacher": real_path}
+            parameters = dict.fromkeys(paths, count_saved_parameters(real_path))
+        else:
+            paths, parameters = save_models(tokenizer, vocab_size, model_dir, STUDENT, TEACHER)
         for name in paths:
             results["setup"][f"{name}_params_V{vocab_size}"] = parameters[name]
         runs = {arm: [] for arm in ARMS}
@@ -210,7 +228,7 @@ def main(repeats: int = 3, steps: int = 4) -> dict:
             arms = ARMS if repeat % 2 == 0 else ARMS[::-1]  # alternate the order as well
             for arm in arms:
                 start = time.perf_counter()
-                run = run_arm_forked(arm, paths, tokenizer, dataset, steps)
+                run = run_arm_forked(arm, paths, tokenizer, dataset, steps, completion_tokens=completion_tokens)
                 runs[arm].append(run)
                 say(
                     f"V={vocab_size} repeat {repeat + 1}/{repeats} {arm}: median step "
@@ -224,18 +242,18 @@ def main(repeats: int = 3, steps: int = 4) -> dict:
         print_table(f"OPD vs DistillationTrainer(beta=1), V={vocab_size} (ratios over repeats)", rows)
     results["tables"] = {f"V{v}": rows for v, rows in tables}
     results["setup"].update(
-        student=STUDENT,
-        teacher=TEACHER,
+        student=SMOLLM2 if size == "real" else STUDENT,
+        teacher=SMOLLM2 if size == "real" else TEACHER,
         rollouts_per_step=ROLLOUTS_PER_STEP,
         num_generations=NUM_GENERATIONS,
         prompt_tokens=PROMPT_TOKENS,
-        completion_tokens=COMPLETION_TOKENS,
+        completion_tokens=completion_tokens,
         continuation_tokens=CONTINUATION_TOKENS,
         warmup_steps=WARMUP_STEPS,
         measured_steps=steps,
         repeats=repeats,
     )
-    path = write_results("opd", results)
+    path = write_results("opd_real" if size == "real" else "opd", results)
     say(f"wrote {path}")
     return results
 
@@ -286,5 +304,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="measured steps per run, after one warm-up step")
+    parser.add_argument("--size", choices=("lab", "real"), default="lab")
     options = parser.parse_args()
-    main(options.repeats, options.steps)
+    main(options.repeats, options.steps, options.size)

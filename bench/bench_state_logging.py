@@ -8,7 +8,10 @@ directly (`_record_states` in the loss, `StateLoggingCallback.on_step_end` after
 far below the machine's noise. Probe drift runs every `probe_steps` steps; the benchmark sets `probe_steps` so one
 probe falls in the measured steps, times it, and reports its cost amortised over the default `probe_steps=50`.
 
-    .venv/bin/python bench/bench_state_logging.py [--repeats 3] [--steps 3]
+    .venv/bin/python bench/bench_state_logging.py [--repeats 3] [--steps 3] [--size lab|real]
+
+`--size real` runs the same arms on the real SmolLM2-135M-Instruct (`smollm2-135m`: 30 layers, vocab 49,152) with
+less work per step (REAL_WORK), and writes `state_logging_real.json`.
 """
 
 import argparse
@@ -20,6 +23,7 @@ from common import (
     CPU_ARGS,
     backbone,
     count_parameters,
+    count_saved_parameters,
     print_table,
     ratio_row,
     run_forked,
@@ -28,14 +32,20 @@ from common import (
     write_results,
 )
 from datasets import Dataset
+from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
 from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
+from trl_statelens.real_models import SMOLLM2
+from trl_statelens.runs import resolve_model
 
 MODEL = dict(hidden=256, layers=4, ffn=1024)
-BATCH = 8  # SFT sequences, or GRPO rollouts (2 prompts x 4 generations), per step
-COMPLETION_TOKENS = 32  # GRPO rollouts run to exactly this length (`min_new_tokens`)
+# Per step: `batch` SFT sequences of at most `sft_max_length` tokens, or `batch` GRPO rollouts (4 per prompt) of
+# exactly `completion_tokens` tokens (`min_new_tokens`)
+LAB_WORK = dict(batch=8, sft_max_length=256, completion_tokens=32)
+REAL_WORK = dict(batch=4, sft_max_length=128, completion_tokens=16)  # a step of the real model costs ~100x more
+BATCH, COMPLETION_TOKENS = LAB_WORK["batch"], LAB_WORK["completion_tokens"]  # run_arm's defaults (bench_scaling)
 WARMUP_STEPS = 1
 NUM_PROBE_PROMPTS = 16
 REALISTIC_PROBE_STEPS = 50  # StateLoggingCallback's default
@@ -47,7 +57,17 @@ def digit_reward(completions, **kwargs):
 
 
 def run_arm(
-    kind, arm, model_path, tokenizer, dataset, probe_prompts, steps, max_length=256, packing=False, batch=BATCH
+    kind,
+    arm,
+    model_path,
+    tokenizer,
+    dataset,
+    probe_prompts,
+    steps,
+    max_length=256,
+    packing=False,
+    batch=BATCH,
+    completion_tokens=COMPLETION_TOKENS,
 ):
     """One training run in a forked child: step times, forwards per step, peak memory, time in our code."""
     output_dir = tempfile.mkdtemp(prefix=f"bench-{kind}-{arm}-")
@@ -75,8 +95,8 @@ def run_arm(
             max_steps=total_steps,
             per_device_train_batch_size=batch,
             num_generations=4,
-            max_completion_length=COMPLETION_TOKENS,
-            generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
+            max_completion_length=completion_tokens,
+            generation_kwargs={"min_new_tokens": completion_tokens},
             **CPU_ARGS,
         )
         trainer_cls = GRPOTrainer if arm == "stock" else StateLensGRPOTrainer
@@ -112,9 +132,18 @@ def run_arm(
     return result
 
 
-def main(repeats: int = 3, steps: int = 3) -> dict:
+def main(repeats: int = 3, steps: int = 3, size: str = "lab") -> dict:
     world = LabWorld(seed=0)
-    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
+    work = REAL_WORK if size == "real" else LAB_WORK
+    if size == "real":
+        model_path = resolve_model(SMOLLM2)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    else:
+        tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
+        model_path = tempfile.mkdtemp(prefix="bench-state-logging-model-")
+        model = build_qwen3(tokenizer, **MODEL)
+        model.save_pretrained(model_path)
+        tokenizer.save_pretrained(model_path)
     rows = world.math("train", n=256)
     sft_data = Dataset.from_list(
         [{"prompt": format_plain(r["question"]), "completion": " " + r["answer"]} for r in rows]
@@ -122,18 +151,25 @@ def main(repeats: int = 3, steps: int = 3) -> dict:
     grpo_data = Dataset.from_dict({"prompt": sft_data["prompt"]})
     probe_prompts = [format_plain(r["question"]) for r in world.math("dev")[:NUM_PROBE_PROMPTS]]
 
-    model_path = tempfile.mkdtemp(prefix="bench-state-logging-model-")
-    model = build_qwen3(tokenizer, **MODEL)
-    model.save_pretrained(model_path)
-    tokenizer.save_pretrained(model_path)
-
     results = {"setup": {}, "runs": {}, "tables": {}}
     for kind, dataset in (("sft", sft_data), ("grpo", grpo_data)):
         runs = {arm: [] for arm in ARMS}
         for repeat in range(repeats):
             for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
                 start = time.perf_counter()
-                run = run_forked(run_arm, kind, arm, model_path, tokenizer, dataset, probe_prompts, steps)
+                run = run_forked(
+                    run_arm,
+                    kind,
+                    arm,
+                    model_path,
+                    tokenizer,
+                    dataset,
+                    probe_prompts,
+                    steps,
+                    max_length=work["sft_max_length"],
+                    batch=work["batch"],
+                    completion_tokens=work["completion_tokens"],
+                )
                 runs[arm].append(run)
                 say(
                     f"{kind} repeat {repeat + 1}/{repeats} {arm}: median step "
@@ -145,18 +181,19 @@ def main(repeats: int = 3, steps: int = 3) -> dict:
     for kind, rows in results["tables"].items():
         print_table(f"State logging: {kind.upper()} (StateLens / stock, ratios over repeats)", rows)
     results["setup"] = dict(
-        model=MODEL,
-        parameters=count_parameters(model),
+        size=size,
+        model=SMOLLM2 if size == "real" else MODEL,
+        parameters=count_saved_parameters(model_path) if size == "real" else count_parameters(model),
         vocab_size=len(tokenizer),
-        batch=BATCH,
-        grpo_completion_tokens=COMPLETION_TOKENS,
-        sft_max_length=256,
+        batch=work["batch"],
+        grpo_completion_tokens=work["completion_tokens"],
+        sft_max_length=work["sft_max_length"],
         probe_prompts=NUM_PROBE_PROMPTS,
         warmup_steps=WARMUP_STEPS,
         measured_steps=steps,
         repeats=repeats,
     )
-    path = write_results("state_logging", results)
+    path = write_results("state_logging_real" if size == "real" else "state_logging", results)
     say(f"wrote {path}")
     return results
 
@@ -269,5 +306,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run, after one warm-up step")
+    parser.add_argument("--size", choices=("lab", "real"), default="lab")
     options = parser.parse_args()
-    main(options.repeats, options.steps)
+    main(options.repeats, options.steps, options.size)

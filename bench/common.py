@@ -2,6 +2,7 @@
 per run (a fresh peak-memory reading without paying the ~8 s `import trl` again)."""
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -50,6 +51,15 @@ CPU_ARGS = dict(
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def count_saved_parameters(model_path) -> int:
+    """Parameters of a saved single-file model, read from its safetensors header (no model in this process's memory:
+    forked runs would inherit it and carry it in their peak RSS)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_path) / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
 # ----- per-step meter ---------------------------------------------------------------------------------------------

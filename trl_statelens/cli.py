@@ -40,7 +40,10 @@ def _lab_info(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from .evaluation import run_eval_cli
+    from .runs import LAB, LAB_TEACHER, SMOLLM2, resolve_model
 
+    if args.model in (LAB, LAB_TEACHER, SMOLLM2):  # the named models: built or converted on first use
+        args.model = resolve_model(args.model, args.lab_seed)
     run_eval_cli(args)
     return 0
 

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from .callback import StateLoggingCallback, check_no_ledger
 from .data import load_gsm8k
 from .evaluation import RETENTION_TASKS, evaluate_model, parse_limit, retention_summary
+from .real_models import SMOLLM2, build_smollm2
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
 LAB_TEACHER = "lab-teacher"
@@ -81,7 +82,7 @@ class RecipeArguments:
 
 def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
     """`"lab"` (or nothing) is the lab base model and `"lab-teacher"` the lab math teacher, built on first use;
-    anything else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
+    `"smollm2-135m"` the real SmolLM2-135M-Instruct, converted on first use (`trl_statelens.real_models`); anything else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
     from .lab import build_lab, build_teacher
 
     if name_or_path in (None, LAB):
@@ -89,6 +90,8 @@ def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
     if name_or_path == LAB_TEACHER:
         build_lab(seed=lab_seed)
         return str(build_teacher(seed=lab_seed))
+    if name_or_path == SMOLLM2:
+        return str(build_smollm2())
     looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).suffix != ""
     if looks_local and not Path(name_or_path).expanduser().exists():
         raise FileNotFoundError(f"model path {name_or_path!r} does not exist: pass a saved model folder or a hub id")

