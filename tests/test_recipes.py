@@ -81,6 +81,17 @@ def test_recipe_rejects_an_unknown_eval_protocol(tmp_path, monkeypatch, student_
     assert not (tmp_path / "x" / "eval").exists()  # refused before any work
 
 
+def test_resolve_model_passes_hub_ids_and_refuses_missing_paths(tmp_path):
+    from trl_statelens.runs import resolve_model
+
+    for hub_id in ("Qwen/Qwen3-0.6B-Base", "HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2"):  # the study configs' ids
+        assert resolve_model(hub_id) == hub_id
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    for missing in ("./runs/none", "runs/study/mild_sft", str(tmp_path / "none"), "~/no/such/model"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            resolve_model(missing)
+
+
 # ----- configs ---------------------------------------------------------------------------------------------------
 CONFIG_TYPES = {
     "eval": None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -82,7 +83,8 @@ class RecipeArguments:
 
 def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
     """`"lab"` (or nothing) is the lab base model and `"lab-teacher"` the lab math teacher, built on first use;
-    `"smollm2-135m"` the real SmolLM2-135M-Instruct, converted on first use (`trl_statelens.real_models`); anything else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
+    `"smollm2-135m"` the real SmolLM2-135M-Instruct, converted on first use (`trl_statelens.real_models`); anything
+    else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
     from .lab import build_lab, build_teacher
 
     if name_or_path in (None, LAB):
@@ -92,8 +94,11 @@ def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
         return str(build_teacher(seed=lab_seed))
     if name_or_path == SMOLLM2:
         return str(build_smollm2())
-    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).suffix != ""
-    if looks_local and not Path(name_or_path).expanduser().exists():
+    if Path(name_or_path).expanduser().exists():
+        return name_or_path
+    # A hub id is `name` or `owner/name` (dots allowed: "Qwen/Qwen3-0.6B-Base"); anything else is meant as a path.
+    looks_like_hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path) and not name_or_path.startswith(".")
+    if not looks_like_hub_id:
         raise FileNotFoundError(f"model path {name_or_path!r} does not exist: pass a saved model folder or a hub id")
     return name_or_path
 
