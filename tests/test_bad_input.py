@@ -300,3 +300,15 @@ def test_lab_pretraining_checkpoint_loads_without_unpickling_code(tmp_path, worl
         pretrain(build_model("test", tokenizer), tokenizer, world, tmp_path / "pretrain", log=lambda _: None,
                  max_steps=1, batch_size=2, block=32, eval_every=1)  # fmt: skip
     assert not marker.exists()
+
+
+def test_context_length_reads_every_config_naming_of_the_position_limit():
+    """GPT-2 style configs say `n_positions`: the prompt-length checks must see it too (they saw only Llama's name)."""
+    from types import SimpleNamespace
+
+    from trl_statelens.checks import context_length
+
+    assert context_length(SimpleNamespace(config=SimpleNamespace(n_positions=64))) == 64
+    assert context_length(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128))) == 128
+    assert context_length(SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(n_ctx=32)))) == 32
+    assert context_length(SimpleNamespace(config=SimpleNamespace())) is None

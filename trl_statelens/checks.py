@@ -61,7 +61,14 @@ def check_tokenizer(tokenizer, eos_token: str | None = None) -> None:
 
 
 def context_length(model) -> int | None:
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """Tokens the model attends to, from its config's position limit (`None` when the config states none)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):  # GPT-2 style names first
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def check_prompt_lengths(dataset, tokenizer, context: int | None, completion_length: int, what: str) -> None:

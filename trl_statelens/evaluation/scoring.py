@@ -20,6 +20,8 @@ import hashlib
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import context_length
+
 DEFAULT_WINDOW = 2048
 _UNSET_TOKENIZER_LENGTH = 10**20  # transformers' "no limit" model_max_length is ~1e30
 
@@ -42,12 +44,9 @@ def pad_token_id(tokenizer) -> int:
 
 def context_window(model, tokenizer=None) -> int:
     """Tokens the model attends to: its config's position limit, else the tokenizer's, else 2048."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int):
-            return value
+    value = context_length(model)
+    if value is not None:
+        return value
     value = getattr(tokenizer, "model_max_length", None)
     if isinstance(value, int) and value < _UNSET_TOKENIZER_LENGTH:
         return value
