@@ -74,6 +74,57 @@ def test_recipe_evaluates_under_the_lm_eval_protocol(tmp_path, monkeypatch, stud
         assert evaluation["settings"]["gsm8k"]["num_shots"] == 5  # lm-eval's GSM8K default, not ours (0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("recipe", "baseline"), [("sft", "statelens"), ("grpo", "statelens"), ("opd", "statelens"), ("sft", "stock")]
+)
+def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student_path, teacher_path, recipe, baseline):
+    from trl_statelens.report import load_run, sample_efficiency_curve, write_report
+
+    out = tmp_path / f"{recipe}_{baseline}"
+    argv = [*model_flags(recipe, student_path, teacher_path), "--output_dir", str(out), "--baseline", baseline]
+    during = ["--max_steps", "5", "--target_eval_steps", "2", "--target_eval_limit", "4", "--eval_tasks", "gsm8k"]
+    results = run_in_process(recipe, argv + TINY_RUN + RECIPE_FLAGS[recipe] + during, monkeypatch)
+
+    log_history = json.loads((out / "log_history.json").read_text())
+    scored = [entry for entry in log_history if "eval/gsm8k/accuracy_strict" in entry]
+    assert [entry["step"] for entry in scored] == [2, 4]  # every 2 steps of 5, no step-0 evaluation (`before` is it)
+    for entry in scored:
+        for metric in ("accuracy_strict", "accuracy_flexible", "answer_found"):
+            assert 0.0 <= entry[f"eval/gsm8k/{metric}"] <= 1.0
+            assert (entry[f"eval/gsm8k/{metric}"] * 4).is_integer()  # 4 items (--target_eval_limit)
+        # the scores' own entry: the step's training metrics stay in the trainer's entry
+        assert {key for key in entry if not key.startswith("eval/")} <= {"step", "epoch"}
+    trained = [entry["step"] for entry in log_history if "loss" in entry]
+    assert trained == [1, 2, 3, 4, 5]
+    if baseline == "statelens":
+        assert [entry["step"] for entry in log_history if "statelens/supervised_tokens" in entry] == trained
+    assert 0.0 <= results["after"]["scores"]["gsm8k"] <= 1.0 and results["before"]["settings"]["gsm8k"]["limit"] == 8
+
+    run = load_run(out)
+    curve = sample_efficiency_curve(run, None)
+    if baseline == "stock":  # no ledger, so no supervised tokens to plot against
+        assert curve is None and "not in the sample-efficiency plot" in "; ".join(run.notes)
+        return
+    ledger = [json.loads(line) for line in (out / "statelens" / "steps.jsonl").read_text().splitlines()]
+    tokens = [line["supervised_tokens"] for line in ledger]
+    assert [line["step"] for line in ledger] == [1, 2, 3, 4, 5] and min(tokens) > 0
+    x, y = curve
+    assert x.tolist() == [0.0, sum(tokens[:2]), sum(tokens[:4]), sum(tokens)]  # before, step 2, step 4, after
+    before, after = results["before"]["scores"]["gsm8k"], results["after"]["scores"]["gsm8k"]
+    assert y.tolist() == [before, *(entry["eval/gsm8k/accuracy_strict"] for entry in scored), after]
+    write_report([out], tmp_path / "report")
+    assert (tmp_path / "report" / "sample_efficiency.png").stat().st_size > 0
+
+
+def test_target_eval_flags_are_checked():
+    assert RecipeArguments().target_eval_steps == 0  # off unless asked: it runs inside the training loop
+    with pytest.raises(ValueError, match="--target_eval_steps is a number of steps"):
+        RecipeArguments(target_eval_steps=-1)
+    with pytest.raises(ValueError, match="--target_eval_limit must be a positive number"):
+        RecipeArguments(target_eval_steps=5, target_eval_limit=0)
+
+
 def test_recipe_rejects_an_unknown_eval_protocol(tmp_path, monkeypatch, student_path, teacher_path):
     argv = [*model_flags("sft", student_path, teacher_path), "--output_dir", str(tmp_path / "x")]
     with pytest.raises(ValueError, match="--eval_protocol must be"):
@@ -199,6 +250,7 @@ def test_recipe_under_accelerate_launch(tmp_path, student_path, teacher_path, ac
         "--num_processes", "2", "--main_process_port", str(free_port()),
         str(RECIPES / f"{recipe}.py"), *model_flags(recipe, student_path, teacher_path),
         "--output_dir", str(out), *TINY_RUN, *RECIPE_FLAGS[recipe],
+        "--target_eval_steps", "1", "--target_eval_limit", "2",  # every rank generates: ZeRO-3 needs them all
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -213,6 +265,8 @@ def test_recipe_under_accelerate_launch(tmp_path, student_path, teacher_path, ac
     states = [json.loads(line) for line in (out / "statelens" / "states.jsonl").read_text().splitlines()]
     assert {s["rank"] for s in states} == {0, 1}  # both ranks' states reached the ledger
     assert results["after"]["scores"]
+    log_history = json.loads((out / "log_history.json").read_text())
+    assert [e["step"] for e in log_history if "eval/gsm8k/accuracy_strict" in e] == [1, 2]
 
 
 # ----- the study chain: LoRA SFT -> its adapter folder as the OPD teacher, both arms -------------------------------------

@@ -12,7 +12,7 @@ from matplotlib.image import imread
 
 from trl_statelens.cli import add_report_arguments
 from trl_statelens.evaluation import retention_summary
-from trl_statelens.report import run_report_cli, token_weighted_mean, write_report
+from trl_statelens.report import load_run, run_report_cli, sample_efficiency_curve, token_weighted_mean, write_report
 
 PLOTS = ["state_curves.png", "prefix_lengths.png", "drift.png", "tradeoff.png", "teacher_kl.png"]
 
@@ -291,3 +291,62 @@ def test_teacher_kl_is_weighted_by_the_learner_tokens_it_averages():
     )
     assert token_weighted_mean(steps, "teacher_kl", source="learner") == pytest.approx(0.2)
     assert token_weighted_mean(steps, "state_nll") == pytest.approx((100 * 1.0 + 300 * 2.0) / 400)
+
+
+def test_sample_efficiency_plots_the_target_against_the_ledger_tokens(tmp_path):
+    """Target scores during training (`--target_eval_steps`) against the supervised tokens the ledger counted."""
+
+    def scored(pairs):  # the entries RetentionEvalCallback logs for gsm8k; the synthetic evaluations name `accuracy`
+        return [{"step": step, "epoch": step / 6, "eval/gsm8k/accuracy": score} for step, score in pairs]
+
+    sft_drift = drift_lines(3, 0.002)
+    sft = write_run(
+        tmp_path / "sft",
+        results=results_json("sft", "StateLensSFTTrainer", "statelens", "mild-sft", BASE, SFT_AFTER, sft_drift),
+        steps=step_lines(6, sources={"dataset": 1.0}),
+        log_history=[{"step": s, "loss": 1.0} for s in range(1, 7)] + scored([(2, 0.46), (4, 0.49), (6, 0.5)]),
+    )
+    # --eval_before false, as the lab study runs: the 0-token point is the base run's score; step 8 is past the ledger
+    opd_after = evaluation(0.47, 0.3, 0.44)
+    opd = write_run(
+        tmp_path / "opd",
+        results={"recipe": "opd", "baseline": "statelens", "run_name": "opd", "before": None, "after": opd_after},
+        steps=step_lines(6, sources={"learner": 1.0}, teacher=True, seed=1),
+        log_history=scored([(3, 0.455), (6, 0.46), (8, 0.9)]),
+    )
+    stock_drift = drift_lines(3, 0.002)
+    stock = write_run(  # scored during training, but a stock trainer keeps no ledger: no supervised tokens
+        tmp_path / "stock",
+        results=results_json("sft", "SFTTrainer", "stock", "stock-sft", STOCK_BEFORE, STOCK_AFTER, stock_drift),
+        log_history=scored([(2, 0.45)]),
+    )
+    base_scores = {"gsm8k": 0.44, "truthfulqa": 0.3, "mmlu": 0.43}
+    base = write_run(tmp_path / "base-eval", results={"run_name": "base", "after": evaluation(*base_scores.values())})
+
+    def ledger_tokens(run_dir):
+        lines = (run_dir / "statelens" / "steps.jsonl").read_text().splitlines()
+        return np.cumsum([json.loads(line)["supervised_tokens"] for line in lines])  # steps 1..6
+
+    sft_tokens, opd_tokens = ledger_tokens(sft), ledger_tokens(opd)
+    x, y = sample_efficiency_curve(load_run(sft), base_scores)
+    assert x.tolist() == [0, sft_tokens[1], sft_tokens[3], sft_tokens[5], sft_tokens[5]]  # before, 2, 4, 6, after
+    assert y.tolist() == [BASE["scores"]["gsm8k"], 0.46, 0.49, 0.5, SFT_AFTER["scores"]["gsm8k"]]  # its own before
+    opd_run = load_run(opd)
+    x, y = sample_efficiency_curve(opd_run, base_scores)
+    assert x.tolist() == [0, opd_tokens[2], opd_tokens[5], opd_tokens[5]]
+    assert y.tolist() == [0.44, 0.455, 0.46, 0.47]
+    assert "target scores at steps [8] are past the ledger's last step" in opd_run.notes[-1]
+    assert sample_efficiency_curve(load_run(stock), base_scores) is None
+
+    out = tmp_path / "report"
+    text = write_report([sft, opd, stock], out, base=base).read_text()
+    assert "](sample_efficiency.png)" in text and "How many states each method needed" in text
+    assert "target scores during training but no per-step supervised tokens" in text  # the stock run's note
+    assert_not_blank(out / "sample_efficiency.png")
+    drawn = [path.name for path in out.glob("*.png")]
+    assert (out / "report.html").read_text().count('src="data:image/png;base64,') == len(drawn)
+
+    # no run scored during training: no figure, a note instead
+    text = write_report([stock], tmp_path / "no-scores").read_text()
+    assert "No plot 'Target score vs supervised tokens'" in text
+    assert not (tmp_path / "no-scores" / "sample_efficiency.png").exists()

@@ -7,7 +7,8 @@ A run folder is what the recipes write (any piece may be missing; the report say
 - `statelens/steps.jsonl`: one line per optimizer step of state aggregates and `prefix_len_hist` (StateLens trainers
   only; a stock TRL baseline has none);
 - `statelens/drift.jsonl`: one line per probe step of drift distances against step 0;
-- `log_history.json`: the trainer's `state.log_history`.
+- `log_history.json`: the trainer's `state.log_history` (with `--target_eval_steps`, the target task's scores during
+  training as `eval/gsm8k/<metric>`).
 
 :func:`write_report` writes `report.md`, a self-contained `report.html` (images embedded as data URIs) and one PNG
 per question into the output folder. Forgetting and Retention in the table are taken against the Base row, the
@@ -32,6 +33,7 @@ import pandas as pd
 from .states_html import write_states_page
 
 TARGET_TASK = "gsm8k"
+TARGET_METRIC = "accuracy_strict"  # GSM8KTask's primary metric, when results.json does not name it
 SCORE_COLUMNS = {"gsm8k": "GSM8K", "truthfulqa": "TruthfulQA", "mmlu": "MMLU"}
 TABLE2_HEADER = ["Run", *SCORE_COLUMNS.values(), "MMD drift", "Forgetting", "Retention"]
 STATE_TABLE_HEADER = [
@@ -73,6 +75,7 @@ class Run:
     drift: pd.DataFrame | None  # one row per probe step
     log_history: list[dict] | None
     notes: list[str] = field(default_factory=list)
+    steps_are_averages: bool = False  # `steps` rebuilt from log_history.json's averages, not the per-step ledger
 
     def evaluation(self, which: str) -> dict | None:
         """Task scores of the `before` or `after` evaluation, or None."""
@@ -156,8 +159,10 @@ def load_run(path: str | Path) -> Run:
     elif not isinstance(results.get("after"), dict):
         notes.append("`results.json` has no `after` evaluation: no scores")
     is_stock = (results or {}).get("baseline") == "stock"
+    steps_are_averages = False
     if steps is None and log_history:
         steps = frame_from_log_history(log_history, "statelens/", "state_nll")
+        steps_are_averages = steps is not None
         if steps is not None:
             notes.append("no `statelens/steps.jsonl`: state curves from `log_history.json` (logged averages)")
     if steps is None:
@@ -171,7 +176,16 @@ def load_run(path: str | Path) -> Run:
         notes.append("no probe drift (`statelens/drift.jsonl`)")
 
     label = str((results or {}).get("run_name") or path.resolve().name)
-    return Run(path=path, label=label, results=results, steps=steps, drift=drift, log_history=log_history, notes=notes)
+    return Run(
+        path=path,
+        label=label,
+        results=results,
+        steps=steps,
+        drift=drift,
+        log_history=log_history,
+        notes=notes,
+        steps_are_averages=steps_are_averages,
+    )
 
 
 def make_labels_unique(runs: list[Run]) -> None:
@@ -216,6 +230,60 @@ def teacher_kl_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
             keep = np.isfinite(values)
             return frame["step"].to_numpy(dtype=float)[keep], values[keep]
     return None
+
+
+def target_eval_key(run: Run) -> str:
+    """The log key of the target score during training: `eval/gsm8k/<the evaluation's primary metric>`."""
+    for which in ("after", "before"):
+        evaluation = (run.results or {}).get(which)
+        metrics = evaluation.get("primary_metrics") if isinstance(evaluation, dict) else None
+        if isinstance(metrics, dict) and metrics.get(TARGET_TASK):
+            return f"eval/{TARGET_TASK}/{metrics[TARGET_TASK]}"
+    return f"eval/{TARGET_TASK}/{TARGET_METRIC}"
+
+
+def sample_efficiency_curve(run: Run, base_scores: dict | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(supervised tokens so far, target score) for a run scored on the target task during training; else `None`.
+
+    x is the running sum of the ledger's `supervised_tokens` (one line per optimizer step, all ranks together) up to
+    and including the evaluated step: the evaluation at the end of step s sees the model those tokens trained. The
+    first point (0 tokens) is the run's `before` score, else the base row's (a run with `--eval_before false`); the
+    last is the `after` score, at the run's total.
+    """
+    key = target_eval_key(run)
+    during = [
+        (int(entry["step"]), float(entry[key]))
+        for entry in run.log_history or []
+        if isinstance(entry, dict) and "step" in entry and isinstance(entry.get(key), (int, float))
+    ]
+    if not during:
+        return None
+    tokens = column(run.steps, "supervised_tokens")
+    if tokens is None or run.steps_are_averages:
+        run.notes.append(
+            "target scores during training but no per-step supervised tokens (`statelens/steps.jsonl`): "
+            "not in the sample-efficiency plot"
+        )
+        return None
+    ledger_steps = run.steps["step"].to_numpy(dtype=np.int64)
+    so_far = np.cumsum(np.nan_to_num(tokens))
+    points = []
+    start = (run.evaluation("before") or base_scores or {}).get(TARGET_TASK)
+    if start is not None:
+        points.append((0.0, float(start)))
+    beyond = [step for step, _ in during if step > ledger_steps[-1]]
+    if beyond:
+        run.notes.append(f"target scores at steps {beyond} are past the ledger's last step: left out of the plot")
+    for step, score in during:
+        if 0 < step <= ledger_steps[-1]:
+            points.append((float(so_far[np.searchsorted(ledger_steps, step, side="right") - 1]), score))
+        elif step == 0:
+            points.append((0.0, score))
+    after = (run.evaluation("after") or {}).get(TARGET_TASK)
+    if after is not None:
+        points.append((float(so_far[-1]), float(after)))
+    x, y = np.array(points, dtype=float).T
+    return x, y
 
 
 def final_mmd(run: Run) -> float | None:
@@ -529,6 +597,23 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
     return save(figure, out_dir, "teacher_kl.png")
 
 
+def plot_sample_efficiency(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
+    curves = {run.label: c for run in runs if (c := sample_efficiency_curve(run, base_scores)) is not None}
+    if not curves:
+        return None
+    figure, (ax,) = new_figure()
+    for label, (tokens, scores) in curves.items():
+        style = styles[label]
+        ax.plot(tokens, scores, color=style["color"], label=label, linewidth=style["width"], marker=style["marker"],
+                markersize=2.5 * style["width"])  # fmt: skip
+    ax.set_xlabel("supervised tokens so far (ledger supervised_tokens, all ranks)")
+    ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
+    ax.set_title("Sample efficiency: target score vs supervised tokens (up and left is better)")
+    ax.margins(y=0.1)
+    finish_legend(ax)
+    return save(figure, out_dir, "sample_efficiency.png")
+
+
 def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> list[Block]:
     try:
         import matplotlib  # noqa: F401
@@ -578,6 +663,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             lambda: plot_teacher_kl(runs, styles, out_dir),
             "no run logged `teacher_kl` (only on-policy distillation runs do)",
         ),
+        (
+            "Target score vs supervised tokens",
+            lambda: plot_sample_efficiency(runs, styles, out_dir, base_scores),
+            "no run with a state ledger was scored on the target during training (recipes: --target_eval_steps N)",
+        ),
     ]
     blocks = [
         Block("heading", "Plots"),
@@ -591,6 +681,16 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
     for title, draw, missing in plots:
         path = draw()
         blocks.append(Block("image", title, image=path) if path else note(f"No plot '{title}': {missing}."))
+        if path is not None and path.name == "sample_efficiency.png":
+            blocks.append(
+                Block(
+                    "text",
+                    "How many states each method needed: the target score at each evaluation during training against "
+                    "the tokens supervised up to that step (the ledger's `supervised_tokens`; a state supervised "
+                    "twice counts twice). The first point is the `before` score (else the base row's), the last the "
+                    "`after` score.",
+                )
+            )
     return blocks
 
 

@@ -8,7 +8,8 @@ A run folder (`output_dir`) holds:
   `before`), `final_drift` (the last probe drift) and `train_seconds`;
 - `eval/before.json`, `eval/after.json` and their `.items.jsonl` per-item outputs;
 - `statelens/`: the state ledger (`steps.jsonl`, `states.jsonl`, `drift.jsonl`; see the README);
-- `log_history.json`: everything the trainer logged;
+- `log_history.json`: everything the trainer logged (with `--target_eval_steps`, the target task's scores during
+  training as `eval/gsm8k/<metric>` at their step);
 - the trained model (`save_pretrained` layout).
 """
 
@@ -26,11 +27,12 @@ from transformers import AutoTokenizer
 
 from .callback import StateLoggingCallback, check_no_ledger
 from .data import load_gsm8k
-from .evaluation import RETENTION_TASKS, evaluate_model, parse_limit, retention_summary
+from .evaluation import RETENTION_TASKS, RetentionEvalCallback, evaluate_model, parse_limit, retention_summary
 from .real_models import SMOLLM2, build_smollm2
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
 LAB_TEACHER = "lab-teacher"
+TARGET_TASK = "gsm8k"  # the task the recipes train for
 
 
 @dataclass
@@ -48,6 +50,12 @@ class RecipeArguments:
             or `"study"` (those sizes, which fit the study's numbers); all items when unset.
         eval_max_new_tokens: GSM8K generation budget; an answer not finished by then scores 0.
         eval_before: also score the starting model (skip it when a base evaluation run already has the scores).
+        target_eval_steps: also score the target task (GSM8K) on the training model every this many steps, with the
+            final evaluation's data, protocol, prompt format and generation budget; 0 for never. The scores are
+            logged as `eval/gsm8k/<metric>` at their step (`log_history.json`) and the report plots them against
+            the supervised tokens so far (`sample_efficiency.png`). Every process evaluates, inside the training loop.
+        target_eval_limit: GSM8K items of those evaluations (a seeded subset, the first items of the final
+            evaluation's own subset); the final evaluation's GSM8K limit (`eval_limit`) when unset.
         eval_protocol: `"statelens"` (the package's own prompts and scoring) or `"lm-eval"` (lm-evaluation-harness
             0.4.x's prompts, shots, filters and normalisation: numbers comparable with lm-eval's; GSM8K prompts are
             then plain whatever `prompt_format` says). See the README's Evaluation section.
@@ -67,6 +75,8 @@ class RecipeArguments:
     eval_limit: str | None = None
     eval_max_new_tokens: int = 256
     eval_before: bool = True
+    target_eval_steps: int = 0
+    target_eval_limit: int | None = None
     eval_protocol: str = "statelens"
     num_probes: int = 16
     probe_steps: int = 10
@@ -79,6 +89,10 @@ class RecipeArguments:
             raise ValueError(f"--baseline must be 'statelens' or 'stock', got {self.baseline!r}")
         if self.eval_protocol not in ("statelens", "lm-eval"):
             raise ValueError(f"--eval_protocol must be 'statelens' or 'lm-eval', got {self.eval_protocol!r}")
+        if self.target_eval_steps < 0:
+            raise ValueError(f"--target_eval_steps is a number of steps (0 for never), got {self.target_eval_steps}")
+        if self.target_eval_limit is not None and self.target_eval_limit < 1:
+            raise ValueError(f"--target_eval_limit must be a positive number of items, got {self.target_eval_limit}")
 
 
 def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
@@ -143,28 +157,53 @@ def without_zero3_init():
         deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+def evaluation_settings(args: RecipeArguments, seed: int) -> dict:
+    """What every evaluation of a run shares (before, during and after training), so their scores compare."""
+    gsm8k_kwargs = {"max_new_tokens": args.eval_max_new_tokens}
+    if args.eval_protocol == "statelens":  # lm-eval fixes the prompt itself
+        gsm8k_kwargs["prompt_format"] = args.prompt_format
+    return {
+        "data_dir": None if args.eval_data == "hub" else args.eval_data,
+        "limit": parse_limit(None if args.eval_limit is None else str(args.eval_limit)),
+        "seed": seed,
+        "protocol": args.eval_protocol,
+        "task_kwargs": {TARGET_TASK: gsm8k_kwargs},
+    }
+
+
 def evaluate(args: RecipeArguments, model_or_path, tokenizer, out: Path, seed: int) -> dict | None:
     """Score a model on the recipe's tasks (main process only) and write `out`; `None` when no task is asked."""
     tasks = [t.strip() for t in args.eval_tasks.split(",") if t.strip()]
     if not tasks:
         return None
-    gsm8k_kwargs = {"max_new_tokens": args.eval_max_new_tokens}
-    if args.eval_protocol == "statelens":  # lm-eval fixes the prompt itself
-        gsm8k_kwargs["prompt_format"] = args.prompt_format
+    settings = evaluation_settings(args, seed)
+    if TARGET_TASK not in tasks:
+        settings["task_kwargs"] = None
     with without_zero3_init():
-        results = evaluate_model(
-            model_or_path,
-            tasks,
-            tokenizer=tokenizer,
-            data_dir=None if args.eval_data == "hub" else args.eval_data,
-            limit=parse_limit(None if args.eval_limit is None else str(args.eval_limit)),
-            seed=seed,
-            protocol=args.eval_protocol,
-            task_kwargs={"gsm8k": gsm8k_kwargs} if "gsm8k" in tasks else None,
-            out=out,
-        )
+        results = evaluate_model(model_or_path, tasks, tokenizer=tokenizer, **settings, out=out)
     results.pop("records")
     return results
+
+
+def target_eval_callback(args: RecipeArguments, model_path: str, seed: int) -> RetentionEvalCallback | None:
+    """The target task scored on the training model every `target_eval_steps` steps; `None` when off.
+
+    No step-0 evaluation: the `before` evaluation (or the base run's, with `--eval_before false`) is that point.
+    """
+    if args.target_eval_steps == 0:
+        return None
+    settings = evaluation_settings(args, seed)
+    limit = args.target_eval_limit
+    if limit is None:
+        limit = settings["limit"].get(TARGET_TASK) if isinstance(settings["limit"], dict) else settings["limit"]
+    return RetentionEvalCallback(
+        [TARGET_TASK],
+        eval_steps=args.target_eval_steps,
+        # its own copy: evaluation may set a pad token, and the run saves the tokenizer it loaded
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        **{**settings, "limit": limit},
+        eval_on_start=False,
+    )
 
 
 def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, teacher_path: str | None = None) -> dict:
@@ -175,6 +214,10 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     if not training_args.resume_from_checkpoint:  # before evaluating: a fresh run must not overwrite another's ledger
         check_no_ledger(out)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    target_eval = target_eval_callback(args, model_path, training_args.seed)  # loads its data before any work
+    if target_eval is not None:
+        trainer.add_callback(target_eval)
+        target_eval.trainer = trainer  # scores go through trainer.log, to log_history and every report_to backend
     before = None
     if accelerator.is_main_process and args.eval_before:
         before = evaluate(args, model_path, None, out / "eval" / "before.json", training_args.seed)

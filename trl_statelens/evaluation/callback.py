@@ -71,26 +71,38 @@ class RetentionEvalCallback(TrainerCallback):
         return getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
 
     def evaluate(self, state, model, tokenizer) -> dict[str, float]:
-        outputs = run_tasks(model, tokenizer, self.tasks, progress=False)
-        scores = {t.name: outputs[t.name]["metrics"][t.primary_metric] for t in self.tasks}
-        logs = {
-            f"{self.prefix}{name}/{key}": value
-            for name, output in outputs.items()
-            for key, value in scalar_metrics(output["metrics"]).items()
-        }
-        if self.base_scores is None:
-            self.base_scores = scores
-        elif any(t in scores for t in RETENTION_TASKS):
-            try:
-                summary = retention_summary(self.base_scores, scores)
-                logs.update({f"{self.prefix}{key}": value for key, value in summary.items()})
-            except ValueError as err:  # a base score of 0 leaves retention undefined: log the scores only
-                logger.warning_once(f"RetentionEvalCallback logs no forgetting/retention: {err}")
-        self.history.append({"step": state.global_step, **logs})
-        if self.trainer is not None:
-            self.trainer.log(logs)
-        else:
-            state.log_history.append({**logs, "step": state.global_step})
+        was_training = getattr(model, "training", False)
+        model.eval()
+        try:
+            outputs = run_tasks(model, tokenizer, self.tasks, progress=False)
+            scores = {t.name: outputs[t.name]["metrics"][t.primary_metric] for t in self.tasks}
+            logs = {
+                f"{self.prefix}{name}/{key}": value
+                for name, output in outputs.items()
+                for key, value in scalar_metrics(output["metrics"]).items()
+            }
+            if self.base_scores is None:
+                self.base_scores = scores
+            elif any(t in scores for t in RETENTION_TASKS):
+                try:
+                    summary = retention_summary(self.base_scores, scores)
+                    logs.update({f"{self.prefix}{key}": value for key, value in summary.items()})
+                except ValueError as err:  # a base score of 0 leaves retention undefined: log the scores only
+                    logger.warning_once(f"RetentionEvalCallback logs no forgetting/retention: {err}")
+            self.history.append({"step": state.global_step, **logs})
+            if self.trainer is not None:
+                # Logged while the model is still in eval mode: TRL trainers' `log()` adds (and clears) the metrics
+                # queued for the mode the model is in, so in train mode these scores would take the step's training
+                # metrics (loss parts, rewards, `statelens/*`) away from the trainer's own log entry.
+                # `log()` also ends in the callbacks' `on_log`, which clears `should_log`: restored, so the trainer
+                # still writes its own log entry of this step (loss, learning rate) after the step-end callbacks.
+                should_log = self.trainer.control.should_log
+                self.trainer.log(logs)
+                self.trainer.control.should_log = should_log
+            else:
+                state.log_history.append({**logs, "step": state.global_step})
+        finally:
+            model.train(was_training)
         return logs
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
