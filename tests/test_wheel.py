@@ -24,7 +24,7 @@ import trl_statelens
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).parents[1]
-SOURCES = ["pyproject.toml", "README.md", "trl_statelens"]
+SOURCES = ["LICENSE", "pyproject.toml", "README.md", "trl_statelens"]
 
 
 def run(args, **kwargs):
@@ -62,6 +62,8 @@ def test_wheel_metadata_is_what_a_package_index_shows(dist):
     assert not any(name.startswith(("tests/", "recipes/", "bench/")) for name in names)
     assert metadata["Name"] == "trl-statelens" and metadata["Version"] == trl_statelens.__version__
     assert metadata["License-Expression"] == "Apache-2.0" and metadata["Requires-Python"] == ">=3.10"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    assert f"trl_statelens-{trl_statelens.__version__}.dist-info/licenses/LICENSE" in names
     assert metadata["Summary"] and metadata["Keywords"]
     assert "Programming Language :: Python :: 3.11" in metadata.get_all("Classifier")
     assert {"plots", "peft", "deepspeed", "vllm", "math", "tracking", "dev"} <= set(metadata.get_all("Provides-Extra"))
