@@ -11,6 +11,11 @@ Training-process memory is the peak RSS of the training process (teacher weights
 server's own peak RSS is reported beside it.
 
     .venv/bin/python bench/bench_served_teacher.py [--repeats 3] [--steps 4]
+
+`--overlap` times the served teacher with `teacher_server_overlap` on against off instead (the same run otherwise;
+their `teacher_kl` must be equal), with the server's answers delayed by `--latency` seconds each (the test server's
+`--latency`, a sleep that uses no core: a remote GPU server's round trip), and `--gradient-accumulation-steps` micro-
+batches per generation.
 """
 
 import argparse
@@ -43,29 +48,49 @@ NUM_GENERATIONS = 2
 COMPLETION_TOKENS = 32
 WARMUP_STEPS = 1
 ARMS = ("in_process", "served")
+OVERLAP_ARMS = ("overlap", "no_overlap")
 SERVER = Path(__file__).resolve().parents[1] / "tests" / "vllm_test_server.py"
 
 
-def run_arm(arm, student_path, teacher_path, url, dataset, steps):
+def run_arm(arm, student_path, teacher_path, url, dataset, steps, gradient_accumulation_steps=1):
     trainer = OnPolicyDistillTrainer(
         model=student_path,
         teacher_model=teacher_path if arm == "in_process" else None,
         args=OnPolicyDistillConfig(
             output_dir=tempfile.mkdtemp(prefix=f"bench-served-{arm}-"),
             max_steps=WARMUP_STEPS + steps,
-            per_device_train_batch_size=ROLLOUTS_PER_STEP,
+            per_device_train_batch_size=ROLLOUTS_PER_STEP // gradient_accumulation_steps,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            teacher_server_overlap=arm != "no_overlap",
             num_generations=NUM_GENERATIONS,
             max_completion_length=COMPLETION_TOKENS,
             temperature=1.0,
             generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
-            teacher_model_server_url=url if arm == "served" else None,
+            teacher_model_server_url=None if arm == "in_process" else url,
             **CPU_ARGS,
         ),
         train_dataset=dataset,
     )
+    timings = {"request_seconds": [], "wait_seconds": []}
+    if trainer.served_teacher is not None:  # the scoring request's own time, and how long the loss waited for it
+        logps, resolve = trainer.served_teacher.logps, trainer._resolve_teacher_logps
+        trainer.served_teacher.logps = timed(logps, timings["request_seconds"])
+        trainer._resolve_teacher_logps = timed(resolve, timings["wait_seconds"])
     result = train_and_measure(trainer, {}, WARMUP_STEPS)
+    result.update({key: values[WARMUP_STEPS:] for key, values in timings.items()})
     result["teacher_kl"] = [e["teacher_kl"] for e in trainer.state.log_history if "teacher_kl" in e]
     return result
+
+
+def timed(fn, seconds: list):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return wrapper
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -75,7 +100,9 @@ def peak_rss_mb(pid: int) -> float:
     raise KeyError("VmHWM")
 
 
-def main(repeats: int = 3, steps: int = 4) -> dict:
+def main(
+    repeats: int = 3, steps: int = 4, overlap: bool = False, latency: float = 0.0, gradient_accumulation_steps: int = 1
+) -> dict:
     world = LabWorld(seed=0)
     tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
     rows = world.math("train", n=256, seed=7)
@@ -90,21 +117,28 @@ def main(repeats: int = 3, steps: int = 4) -> dict:
         setup[f"{name}_params"] = count_parameters(model)
 
     server = subprocess.Popen(
-        [sys.executable, str(SERVER), paths["teacher"], "--threads", "1"], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(SERVER), paths["teacher"], "--threads", "1", "--latency", str(latency)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    arms = OVERLAP_ARMS if overlap else ARMS
+    setup.update(latency_s=latency, gradient_accumulation_steps=gradient_accumulation_steps)
     try:
         url = server.stdout.readline().strip()
-        say(f"teacher server at {url} (pid {server.pid})")
-        runs = {arm: [] for arm in ARMS}
+        say(f"teacher server at {url} (pid {server.pid}), latency {latency}s")
+        runs = {arm: [] for arm in arms}
         for repeat in range(repeats):
-            for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
+            for arm in arms if repeat % 2 == 0 else arms[::-1]:
                 start = time.perf_counter()
-                runs[arm].append(run_forked(run_arm, arm, paths["student"], paths["teacher"], url, dataset, steps))
+                args = (arm, paths["student"], paths["teacher"], url, dataset, steps, gradient_accumulation_steps)
+                runs[arm].append(run_forked(run_arm, *args))
                 say(f"repeat {repeat} {arm}: {time.perf_counter() - start:.0f}s")
         setup["server_peak_rss_mb"] = peak_rss_mb(server.pid)
     finally:
         server.terminate()
         server.wait()
+    if overlap:
+        return overlap_report(setup, runs)
 
     median = {arm: [statistics.median(r["step_seconds"]) for r in runs[arm]] for arm in ARMS}
     rss = {arm: [r["peak_rss_mb"] for r in runs[arm]] for arm in ARMS}
@@ -128,8 +162,36 @@ def main(repeats: int = 3, steps: int = 4) -> dict:
     return results
 
 
+def overlap_report(setup: dict, runs: dict) -> dict:
+    median = {arm: [statistics.median(r["step_seconds"]) for r in runs[arm]] for arm in OVERLAP_ARMS}
+    rows = [
+        ratio_row("step time, overlap / no overlap", [o / n for o, n in zip(median["overlap"], median["no_overlap"])]),
+        ratio_row("step seconds, overlap", median["overlap"]),
+        ratio_row("step seconds, no overlap", median["no_overlap"]),
+    ]
+    for arm in OVERLAP_ARMS:  # per step: the request's wall time, the time the loss then still waited for it
+        rows.append(
+            ratio_row(f"scoring request s, {arm}", [statistics.median(r["request_seconds"]) for r in runs[arm]])
+        )
+        rows.append(ratio_row(f"loss waited s, {arm}", [statistics.median(r["wait_seconds"]) for r in runs[arm]]))
+    print_table(f"served teacher, teacher_server_overlap on / off ({setup})", rows)
+    kl_gap = max(
+        abs(a - b)
+        for o, n in zip(runs["overlap"], runs["no_overlap"])
+        for a, b in zip(o["teacher_kl"], n["teacher_kl"])
+    )
+    print(f"largest |teacher_kl overlap - no overlap| over all steps and repeats: {kl_gap:.2e}")
+    results = {"setup": setup, "runs": runs, "rows": rows, "teacher_kl_max_abs_diff": kl_gap}
+    name = f"served_teacher_overlap_latency{setup['latency_s']:g}_ga{setup['gradient_accumulation_steps']}"
+    say(f"results: {write_results(name, results)}")
+    return results
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--overlap", action="store_true", help="teacher_server_overlap on vs off, both served")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds the test server adds to each answer")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     main(**vars(parser.parse_args()))

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,12 +154,14 @@ def read_jsonl(path):
 
 
 def spy_batches(trainer):
+    """The batches the trainer makes, with their teacher log-probs waited for (a served teacher's arrive later)."""
     batches = []
     original = trainer._generate_and_score_completions
 
     def spy(inputs):
-        batches.append(original(inputs))
-        return batches[-1]
+        output = original(inputs)
+        batches.append({**output, "teacher_logps": trainer._resolve_teacher_logps(output)})
+        return output
 
     trainer._generate_and_score_completions = spy
     return batches
@@ -192,6 +195,78 @@ def test_reverse_kl_through_the_server_matches_the_in_process_teacher(
         assert log_history(served_trainer, key) == pytest.approx(log_history(local, key), rel=1e-4, abs=1e-6), key
     ledgers = [read_jsonl(tmp_path / name / "statelens" / "steps.jsonl") for name in ("local", "served")]
     assert ledgers[1][0]["teacher_kl"] == pytest.approx(ledgers[0][0]["teacher_kl"], rel=1e-4, abs=1e-6)
+
+
+def spy_scoring(trainer):
+    """The thread each scoring request ran on, and the teacher log-probs each micro-batch's loss read."""
+    threads, resolved = [], []
+    logps, resolve = trainer.served_teacher.logps, trainer._resolve_teacher_logps
+
+    def spy_logps(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return logps(*args, **kwargs)
+
+    def spy_resolve(inputs):
+        resolved.append(resolve(inputs))
+        return resolved[-1]
+
+    trainer.served_teacher.logps, trainer._resolve_teacher_logps = spy_logps, spy_resolve
+    return threads, resolved
+
+
+@pytest.mark.parametrize("signal", ["reverse_kl", "continuation"])
+def test_overlapped_scoring_gives_the_same_teacher_logps_and_loss(
+    tmp_path, teacher_server, student_path, math_dataset, signal
+):
+    runs = {}
+    for overlap in (True, False):
+        trainer = OnPolicyDistillTrainer(
+            model=str(student_path),
+            args=opd_config(
+                tmp_path / str(overlap),
+                teacher_model_server_url=teacher_server.url,
+                teacher_server_overlap=overlap,
+                signal=signal,
+                continuation_length=4,
+                max_steps=2,
+                gradient_accumulation_steps=2,  # two micro-batches per generation: shuffled and split with the batch
+            ),
+            train_dataset=math_dataset,
+        )
+        threads, resolved = spy_scoring(trainer)
+        trainer.train()
+        runs[overlap] = threads, resolved, log_history(trainer, "loss"), log_history(trainer, "grad_norm")
+    (threads_on, resolved_on, loss_on, grad_on), (threads_off, resolved_off, loss_off, grad_off) = (
+        runs[True],
+        runs[False],
+    )
+    assert threads_on == ["teacher-server_0"] * 2 and threads_off == ["MainThread"] * 2  # one request per generation
+    assert len(resolved_on) == len(resolved_off) == 4
+    for on, off in zip(resolved_on, resolved_off):
+        assert (on != 0).sum() > 20 and torch.equal(on, off)  # bit for bit, in the same shuffled order
+    assert len(loss_on) == 2 and loss_on == loss_off and grad_on == grad_off
+
+
+@pytest.mark.parametrize(
+    "status, message", [(503, "failed scoring 2 times in a row"), (400, "rejected scoring: HTTP 400: .*EngineCore")]
+)
+def test_a_failed_background_request_stops_training_before_the_update(
+    tmp_path, teacher_path, student_path, math_dataset, status, message
+):
+    # the vocabulary probe passes; every scoring request after it fails (503 is retried once, 400 is not)
+    with TestTeacherServer(teacher_path, fail_after=1, fail_status=status) as server:
+        trainer = OnPolicyDistillTrainer(
+            model=str(student_path),
+            args=opd_config(tmp_path, teacher_model_server_url=server.url, teacher_server_max_retries=1),
+            train_dataset=math_dataset,
+        )
+        start = [p.detach().clone() for p in trainer.model.parameters()]
+        threads, resolved = spy_scoring(trainer)
+        with pytest.raises(TeacherServerError, match=message):
+            trainer.train()
+        assert server.failed == (2 if status == 503 else 1)
+    assert threads == ["teacher-server_0"] and resolved == []  # it failed in the background, raised in the loss
+    assert all(torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ Switches for failure tests: `fail_after` (the completions requests after the fir
 `fail_status`, by default vLLM's 503 for a dead engine), `fail_times` (how many of them, then it recovers; `None`:
 never) and `vocab_size` (serve the model with its embedding resized to another vocabulary, as a server started with
 another model would). `max_logprobs` mirrors `vllm serve --max-logprobs` (vLLM's default is 20; `-1` is unlimited).
+`latency` adds that many seconds to every completions answer, slept outside the one-forward lock and without using a
+core: it imitates a remote GPU server's network round trip and queueing, for benchmarks of request overlap.
 
 Run it as a process for multi-process runs and benchmarks: `python tests/vllm_test_server.py MODEL_PATH` prints its
 URL on the first line of stdout and serves until killed.
@@ -67,6 +69,7 @@ class TestTeacherServer:
         fail_status: int = 503,
         vocab_size: int | None = None,
         seed: int = 0,
+        latency: float = 0.0,
     ):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -78,6 +81,7 @@ class TestTeacherServer:
         self.max_model_len = self.model.config.max_position_embeddings
         self.served_model_name = served_model_name
         self.max_logprobs = max_logprobs
+        self.latency = latency
         self.fail_after, self.fail_times, self.fail_status = fail_after, fail_times, fail_status
         self.requests = self.failed = 0
         self._lock = threading.Lock()  # one forward at a time, as one engine would
@@ -156,16 +160,23 @@ class TestTeacherServer:
 
         choices = []
         seed = body.get("seed")
-        # Sampling never touches the caller's random state: tests run the server in the trainer's process
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self._seeds.randrange(2**31) if seed is None else seed)
+        seed = self._seeds.randrange(2**31) if seed is None else seed
+        prefill_only = num_prompt_logprobs is not None and max_tokens == 1 and n == 1 and num_logprobs is None
+        # Sampling never touches the caller's random state: tests run the server in the trainer's process. A scoring
+        # request (prefill only) draws from its own generator, and generation forks the global RNG and restores it:
+        # done for a scoring request sent from the trainer's background thread, that restore would rewind the RNG
+        # the training thread keeps drawing from meanwhile.
+        generator = torch.Generator().manual_seed(seed)
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[], enabled=not prefill_only):
+            if not prefill_only:
+                torch.manual_seed(seed)
             scored = None if num_prompt_logprobs is None else self._score(prompts)
             for i, prompt in enumerate(prompts):
                 prompt_logprobs = None
                 if scored is not None:
                     prompt_logprobs = self._prompt_logprobs(prompt, scored[i][0], num_prompt_logprobs)
-                if scored is not None and max_tokens == 1 and n == 1 and num_logprobs is None:
-                    samples = [self._first_token(scored[i][1], body.get("temperature", 1.0))]  # vLLM's prefill
+                if prefill_only:  # vLLM's prefill gives the one token
+                    samples = [self._first_token(scored[i][1], body.get("temperature", 1.0), generator)]
                 else:
                     samples = self._sample(prompt, body, n, max_tokens)
                 for sample in samples:
@@ -217,10 +228,10 @@ class TestTeacherServer:
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
         return [(logits[i, : len(p) - 1].log_softmax(-1), logits[i, len(p) - 1]) for i, p in enumerate(prompts)]
 
-    def _first_token(self, logits: torch.Tensor, temperature: float) -> dict:
+    def _first_token(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> dict:
         """The one token a scoring request (`max_tokens=1`) generates, sampled from the prefill's last logits."""
         if temperature > 0:
-            token = int(torch.multinomial((logits / temperature).softmax(-1), 1))
+            token = int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
         else:
             token = int(logits.argmax())
         return {"token_ids": [token], "finish_reason": "stop" if token in self.eos_token_ids else "length"}
@@ -343,6 +354,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.teacher.should_fail():
             self._error(self.teacher.fail_status, "EngineCore encountered an issue (test server failure switch)")
         else:
+            time.sleep(self.teacher.latency)
             try:
                 self._send(200, self.teacher.complete(body))
             except _BadRequest as error:
@@ -355,9 +367,11 @@ def main():
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--served-model-name", default="teacher")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the teacher's forwards")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds added to every completions answer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    server = TestTeacherServer(args.model_path, served_model_name=args.served_model_name).start(args.port)
+    server = TestTeacherServer(args.model_path, served_model_name=args.served_model_name, latency=args.latency)
+    server.start(args.port)
     print(server.url, flush=True)
     try:
         server._thread.join()

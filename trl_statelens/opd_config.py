@@ -89,6 +89,13 @@ class OnPolicyDistillConfig(GRPOConfig):
         teacher_server_chunk_size (`int`, *optional*, defaults to `0`):
             Rows per scoring request, sent concurrently (TRL's `chunk_size`); `0` sends each rank's rows in one
             request.
+        teacher_server_overlap (`bool`, *optional*, defaults to `True`):
+            Send a batch's scoring request from a background thread as soon as its tokens exist (`reverse_kl`: right
+            after sampling; `continuation`: after the teacher's continuations) and wait for the answer only where the
+            loss reads it, after the student's forward on the first micro-batch. The round trip then overlaps GRPO's
+            rewards and bookkeeping and that forward. The request, hence every log-prob and the loss, is the same
+            either way; a failed request raises its `TeacherServerError` in the training loop all the same. `False`
+            waits for the answer before the batch is returned.
     """
 
     signal: str = field(default="reverse_kl", metadata={"help": f"One of {SIGNALS}."})
@@ -117,6 +124,10 @@ class OnPolicyDistillConfig(GRPOConfig):
     )
     teacher_server_chunk_size: int = field(
         default=0, metadata={"help": "Rows per teacher scoring request (0: all of a rank's rows in one)."}
+    )
+    teacher_server_overlap: bool = field(
+        default=True,
+        metadata={"help": "Score each batch on the teacher server in the background, overlapping the student's work."},
     )
 
     # JSON strings from the command line become dicts in `TrainingArguments.__post_init__`, as TRL's dict fields do

@@ -8,7 +8,9 @@ supervised (`state_source_mix`) and what the teacher says there (`signal`), and 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,16 @@ LEARNER, DATASET, TEACHER = (source_code(s) for s in ("learner", "dataset", "tea
 # Vocabulary columns per projection tile in the completion log-prob path (TRL's fused head uses 32768). On CPU a
 # 4096-wide tile is as fast, and at V=32k it cuts the step's peak memory by about a third (BENCHMARKS.md).
 VOCAB_CHUNK = 4096
+
+
+class ServedTeacherRow(NamedTuple):
+    """Row `index` of a scoring request sent to the teacher server for a whole batch, whose answer (`rows`, the
+    log-probs of each row's completion tokens) may still be on its way. A batch's `teacher_logps` is a list of these,
+    one per row: GRPO shuffles and splits lists with the batch's tensors, so each micro-batch keeps its rows' handles.
+    [`OnPolicyDistillTrainer._resolve_teacher_logps`] waits for the answer and builds the `(B, T)` tensor."""
+
+    rows: Future
+    index: int
 
 
 def no_reward(completions, **kwargs) -> list[float]:
@@ -128,9 +140,14 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             peft_config=peft_config,
             state_logging=state_logging,
         )
+        self._teacher_requests = None
+        self._pending_teacher_logps = None
         if args.teacher_model_server_url is not None:
             self.teacher_model = None
             self.served_teacher = self._connect_teacher_server(teacher_path)
+            if args.teacher_server_overlap:
+                # One worker: a rank's scoring requests go out one at a time, in the order the batches were made
+                self._teacher_requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-server")
         else:
             self.served_teacher = None
             _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path)
@@ -209,14 +226,16 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._scoring_rollouts = True
         try:
             output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
+            served_logps = self._pending_teacher_logps  # requested in `_generate` (served teacher, `reverse_kl`)
         finally:
             self._scoring_rollouts = False
+            self._pending_teacher_logps = None
         device = output["completion_ids"].device
         output["row_source"] = torch.tensor([source_code(s) for s in self._row_sources], device=device)
         if self.args.signal == "continuation":
             output = self._continue_with_teacher(output)
         elif self.args.signal == "reverse_kl":
-            output["teacher_logps"] = self._teacher_logps(output)
+            output["teacher_logps"] = served_logps if served_logps is not None else self._teacher_logps(output)
         return output
 
     def _generate(self, prompts):
@@ -243,6 +262,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 completion_ids[i] = ids
                 text = self._tokenizer.decode(ids, skip_special_tokens=True)
                 completions[i] = [{"role": "assistant", "content": text}] if isinstance(prompts[i], list) else text
+        if self.served_teacher is not None and self.args.signal == "reverse_kl":
+            # The tokens to score are final here: ask the server now, so that with `teacher_server_overlap` the
+            # round trip runs while GRPO pads the batch, computes rewards (and, under vLLM, the student's old
+            # log-probs) and the first micro-batch's forward runs. Rows GRPO masks later (truncated completions)
+            # are zeroed when the answer is read.
+            self._pending_teacher_logps = self._request_served_logps(prompt_ids, completion_ids)
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
     def _any_rank_has(self, rows: list) -> bool:
@@ -328,14 +353,15 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return output
 
     @torch.no_grad()
-    def _teacher_logps(self, output: dict) -> torch.Tensor:
+    def _teacher_logps(self, output: dict) -> torch.Tensor | list[ServedTeacherRow]:
         """Teacher log-prob of every completion token, `(B, T)`, through the teacher's fused LM head, in chunks of
-        the per-device batch size (as GRPO scores its reference model), or from the teacher server's prompt
-        log-probs."""
+        the per-device batch size (as GRPO scores its reference model); or, from the teacher server's prompt
+        log-probs, one [`ServedTeacherRow`] per row (each row sent without its padding)."""
         if self.served_teacher is not None:
-            return self.served_teacher.completion_logps(
-                output["prompt_ids"], output["prompt_mask"], output["completion_ids"], output["completion_mask"]
-            )
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
+            lengths = output["completion_mask"].sum(1).tolist()
+            completions = [ids[:n].tolist() for ids, n in zip(output["completion_ids"], lengths)]
+            return self._request_served_logps(prompts, completions)
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         mode = "train" if self.model.training else "eval"
@@ -344,6 +370,33 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             self.teacher_model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
         )
         return logps
+
+    def _request_served_logps(self, prompts: list[list[int]], completions: list[list[int]]) -> list[ServedTeacherRow]:
+        """Ask the teacher server for the log-prob of each completion token after its prompt: one request for the
+        batch, from the background worker with `teacher_server_overlap` (its errors are raised where the answer is
+        read), else at once."""
+        sequences, lengths = [p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts]
+        if self._teacher_requests is not None:
+            rows = self._teacher_requests.submit(self.served_teacher.logps, sequences, lengths)
+        else:
+            rows = Future()
+            rows.set_result(self.served_teacher.logps(sequences, lengths))
+        return [ServedTeacherRow(rows, i) for i in range(len(sequences))]
+
+    def _resolve_teacher_logps(self, inputs: dict) -> torch.Tensor:
+        """`inputs["teacher_logps"]` as a `(B, T)` tensor like `completion_ids`, 0 where `completion_mask` is 0: an
+        in-process teacher's as it is; a served teacher's once its answer is in (a failed request raises its
+        `TeacherServerError` here, in the training thread)."""
+        value = inputs["teacher_logps"]
+        if isinstance(value, torch.Tensor):
+            return value
+        completion_ids = inputs["completion_ids"]
+        logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for i, (rows, index) in enumerate(value):
+            row = rows.result()[index]
+            logps[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        mask = inputs["completion_mask"].bool().cpu()
+        return torch.where(mask, logps, torch.zeros_like(logps)).to(completion_ids.device)
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -447,7 +500,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 model, input_ids, attention_mask, num_completion, compute_entropy=True
             )
             self._loss_logps_and_entropies = None  # recorded below, with per-token sources and teacher log-probs
-            teacher_logps = inputs["teacher_logps"]
+            teacher_logps = self._resolve_teacher_logps(inputs)  # waits here for a served teacher's answer
             if self.args.signal == "reverse_kl":
                 weights = self._reverse_kl_advantages(logps.detach(), teacher_logps, loss_mask)
                 if self.args.reward_weight:

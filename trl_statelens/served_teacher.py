@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from unittest import mock
 
 import requests
-import torch
 import trl.generation.vllm_client as trl_vllm_client
 from requests.adapters import HTTPAdapter
 from transformers import AutoTokenizer
@@ -222,19 +221,6 @@ class ServedTeacher:
                     f"({len(row)} values for {len(sequence) - start} tokens, or a missing token): is it vLLM?"
                 )
         return logps
-
-    def completion_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-        """The teacher's log-prob of every completion token, `(B, T)` like `completion_ids`, 0 at padding: what an
-        in-process teacher forward gives (at temperature 1). Prompts are left-padded, completions right-padded, as
-        in TRL's GRPO batches; each row is sent without its padding."""
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        lengths = completion_mask.sum(1).tolist()
-        completions = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]
-        rows = self.logps([p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts])
-        logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
-        for i, row in enumerate(rows):
-            logps[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-        return logps.to(completion_ids.device)
 
     def generate(
         self,

@@ -49,8 +49,9 @@ generate_and_score = trainer._generate_and_score_completions
 
 def keep_batch(inputs):
     output = generate_and_score(inputs)
-    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "teacher_logps")
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
     batches.append({key: output[key].tolist() for key in keys})
+    batches[-1]["teacher_logps"] = trainer._resolve_teacher_logps(output).tolist()  # once the server answered
     return output
 
 
