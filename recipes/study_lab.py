@@ -19,11 +19,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from trl_statelens.evaluation import retention_summary
 from trl_statelens.report import write_report
 
 RECIPES = Path(__file__).resolve().parent
 CONFIGS = RECIPES / "configs" / "lab"
+# Stock trainers write no state ledger, so the sample-efficiency plot has no x for them: skip their target evaluations
+STOCK = ["--baseline", "stock", "--target_eval_steps", "0"]
 # name, recipe, lab config, extra flags ({run} is replaced by the folder of this seed's run of that name)
 RUNS = [
     ("mild_sft", "sft", "sft.yaml", []),
@@ -33,12 +37,26 @@ RUNS = [
     ("opd_rkl_from_stress_sft", "opd", "opd_from_stress_sft.yaml",
      ["--teacher_model_name_or_path", "{stress_sft}", "--signal", "reverse_kl"]),
     ("grpo", "grpo", "grpo.yaml", []),
-    ("stock_sft", "sft", "sft.yaml", ["--baseline", "stock"]),
+    ("stock_sft", "sft", "sft.yaml", [*STOCK]),
     ("stock_opd_from_stress_sft", "opd", "opd_from_stress_sft.yaml",
-     ["--teacher_model_name_or_path", "{stress_sft}", "--baseline", "stock"]),
-    ("stock_grpo", "grpo", "grpo.yaml", ["--baseline", "stock"]),
+     ["--teacher_model_name_or_path", "{stress_sft}", *STOCK]),
+    ("stock_grpo", "grpo", "grpo.yaml", [*STOCK]),
 ]  # fmt: skip
 SCORES = ("gsm8k", "truthfulqa", "mmlu")
+ITEM_SCORE = {"gsm8k": "correct_strict", "truthfulqa": "mc1", "mmlu": "correct"}  # per item, in eval/*.items.jsonl
+# The study's phenomena as paired comparisons (run, reference): per seed, and a bootstrap over test problems
+COMPARISONS = [
+    ("1. mild SFT helps the target, forgets little", "mild_sft", "base"),
+    ("1. stress SFT forgets", "stress_sft", "base"),
+    ("2. OPD student (continuation) vs its degraded teacher", "opd_from_stress_sft", "stress_sft"),
+    ("2. OPD student (reverse_kl) vs its degraded teacher", "opd_rkl_from_stress_sft", "stress_sft"),
+    ("2. stock DistillationTrainer student vs the degraded teacher", "stock_opd_from_stress_sft", "stress_sft"),
+    ("2. OPD student (continuation) vs the base", "opd_from_stress_sft", "base"),
+    ("2. OPD student (reverse_kl) vs the base", "opd_rkl_from_stress_sft", "base"),
+    ("OPD from the mild teacher vs the base", "opd_from_mild_sft", "base"),
+    ("3. GRPO helps the target, keeps retention", "grpo", "base"),
+]
+BOOTSTRAP_SAMPLES = 2000
 # --smoke: two tiny steps per run and three items per evaluation task, to keep the chain working in CI
 SMOKE_FLAGS = {
     "eval": ["--eval_limit", "3", "--eval_max_new_tokens", "8"],
@@ -117,10 +135,14 @@ def main():
         write_report([folders[name] for name, *_ in RUNS], seed_dir / "report", base=base)
 
     summary = summarize(out, args.seeds)
+    comparisons = compare_runs(out, args.seeds)
     minutes = (time.perf_counter() - started) / 60
-    (out / "summary.json").write_text(json.dumps({"seeds": args.seeds, "minutes": minutes, "runs": summary}, indent=2))
-    (out / "summary.md").write_text(summary_table(summary, args.seeds, minutes))
-    print(summary_table(summary, args.seeds, minutes))
+    (out / "summary.json").write_text(
+        json.dumps({"seeds": args.seeds, "minutes": minutes, "runs": summary, "comparisons": comparisons}, indent=2)
+    )
+    text = summary_table(summary, args.seeds, minutes) + "\n" + comparison_table(comparisons, args.seeds)
+    (out / "summary.md").write_text(text)
+    print(text)
 
 
 def summarize(out: Path, seeds: list[int]) -> dict:
@@ -146,6 +168,65 @@ def summarize(out: Path, seeds: list[int]) -> dict:
             for column, v in columns.items()
         }
     return table
+
+
+def item_scores(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per task, the score of every test item of the run's final evaluation, keyed by its question."""
+    scores = {task: {} for task in SCORES}
+    with (run_dir / "eval" / "after.items.jsonl").open() as f:
+        for line in f:
+            item = json.loads(line)
+            if item["task"] in scores:
+                scores[item["task"]][item["question"]] = float(item[ITEM_SCORE[item["task"]]])
+    return scores
+
+
+def compare_runs(out: Path, seeds: list[int]) -> list[dict]:
+    """For each of ``COMPARISONS`` and task: the run minus its reference, per seed (paired on the same seed; the base
+    is shared), and a 95% bootstrap interval of the seed-mean difference, resampling test problems (the same
+    problems for every seed, so the interval covers which problems the test happens to hold, not seed noise)."""
+    rng = np.random.default_rng(0)
+    base = item_scores(out / "base")
+    results = []
+    for label, run, reference in COMPARISONS:
+        for task in SCORES:
+            questions = sorted(base[task])
+            differences = []  # seeds x questions
+            for seed in seeds:
+                a = item_scores(out / f"seed{seed}" / run)[task]
+                b = base[task] if reference == "base" else item_scores(out / f"seed{seed}" / reference)[task]
+                differences.append([a[q] - b[q] for q in questions])
+            differences = np.array(differences)
+            resampled = rng.integers(0, len(questions), size=(BOOTSTRAP_SAMPLES, len(questions)))
+            means = differences.mean(0)[resampled].mean(1)
+            low, high = np.percentile(means, [2.5, 97.5])
+            results.append(
+                {
+                    "label": label,
+                    "run": run,
+                    "reference": reference,
+                    "task": task,
+                    "per_seed": differences.mean(1).tolist(),
+                    "mean": float(differences.mean()),
+                    "ci95": [float(low), float(high)],
+                    "real": bool(low > 0 or high < 0),
+                }
+            )
+    return results
+
+
+def comparison_table(comparisons: list[dict], seeds: list[int]) -> str:
+    lines = ["Paired comparisons: run minus reference, per seed " + str(seeds) + ", their mean, and a 95% bootstrap "
+             f"interval over test problems ({BOOTSTRAP_SAMPLES} resamples). 'real': the interval excludes 0.", "",
+             "| comparison | task | per seed | mean | 95% interval | real |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for c in comparisons:
+        per_seed = ", ".join(f"{v:+.3f}" for v in c["per_seed"])
+        low, high = c["ci95"]
+        lines.append(
+            f"| {c['label']} ({c['run']} - {c['reference']}) | {c['task']} | {per_seed} | {c['mean']:+.3f} | "
+            f"[{low:+.3f}, {high:+.3f}] | {'yes' if c['real'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def summary_table(summary: dict, seeds: list[int], minutes: float) -> str:

@@ -55,8 +55,8 @@ def run_cli(argv, env_home):
     ],
 )
 def test_light_commands_import_no_heavy_package(tmp_path, argv, expect):
-    (tmp_path / "lab" / "seed0").mkdir(parents=True)
-    (tmp_path / "lab" / "seed0" / "info.json").write_text(json.dumps(INFO))
+    (tmp_path / "lab" / "v2" / "seed0").mkdir(parents=True)
+    (tmp_path / "lab" / "v2" / "seed0" / "info.json").write_text(json.dumps(INFO))
     result = run_cli(argv, tmp_path)
     assert result["code"] in (0, None)
     assert expect in result["out"]

@@ -1,6 +1,8 @@
 import json
 import math
 import random
+import re
+from collections import Counter
 
 import pytest
 import torch
@@ -85,10 +87,51 @@ def test_retention_rows_have_hub_layouts(world):
     truth = world.truth("test")[0]
     assert sum(truth["mc1_targets"]["labels"]) == 1 and len(truth["mc1_targets"]["choices"]) == 4
     assert sum(truth["mc2_targets"]["labels"]) == 2
-    # every fact a retention question asks is stated in the pretraining corpus
-    facts = " ".join(world.kb_facts)
+
+
+def test_a_world_too_small_for_its_tiers_is_refused():
+    with pytest.raises(ValueError, match="num_entities >= 16"):
+        LabWorld(num_entities=12)
+
+
+def test_retention_exposure_tiers(world):
+    """The corpus states common facts often, rare ones seldom and unstated ones never; it debunks some myths and
+    repeats others as fact. Tier sizes are exact shares, the same for every seed."""
+    for seed in (0, 1):
+        w = LabWorld(seed=seed)
+        assert Counter(e["tier"] for e in w.entities) == {"common": 54, "rare": 30, "unstated": 36}
+        assert Counter(m["tier"] for m in w.myths) == {"debunked": 36, "contested": 28, "popular": 16}
+    rng = random.Random(0)
+    corpus = [world.corpus_document(rng) for _ in range(20000)]
+    text = "\n".join(corpus)
+    words = set(re.findall(r"\w+", text))
+    mentions = {tier: 0 for tier in ("common", "rare", "unstated")}
+    for e in world.entities:
+        mentions[e["tier"]] += text.count(e["name"] + " ") + text.count(e["name"] + "?")
+        if e["tier"] == "unstated":  # never a fact about it, nor any of its answers
+            name = e["name"]
+            for said in (f"of {name} ", f"of {name}?", f"of {name}.", f"the {name} ", f"The {name} "):
+                assert said not in text
+            assert e["capital"] not in words and re.search(rf"\b{e['inventor']}\b", text) is None
+    per_entity = {"common": mentions["common"] / 54, "rare": mentions["rare"] / 30}
+    # rare_kb_share of the kb text is about rare entities: per entity, (0.04 / 30) / (0.96 / 54) = 0.075 as often
+    assert 0.04 < per_entity["rare"] / per_entity["common"] < 0.15
+    # distractors share the truth's tier, so an unstated answer is not told apart by being unfamiliar
+    tier_of_answer = {e[key]: e["tier"] for e in world.entities for key in ("capital", "inventor")}
     for row in world.kb("test"):
-        assert row["choices"][row["answer"]] in facts
+        if row["subject"] != "biology":
+            assert len({tier_of_answer[c] for c in row["choices"]}) == 1
+    # how often the corpus answers a myth question with the truth, by tier
+    answers = {m["question"]: m for m in world.myths}
+    told = {"debunked": Counter(), "contested": Counter(), "popular": Counter()}
+    for doc in corpus:
+        question = doc.split("\n")[0].removeprefix("Question: ")
+        if question in answers:
+            m = answers[question]
+            told[m["tier"]][doc.endswith(m["myth"])] += 1
+    share_of_myth = {tier: c[True] / (c[True] + c[False]) for tier, c in told.items()}
+    assert share_of_myth["debunked"] == 0
+    assert 0.4 < share_of_myth["contested"] < 0.6 and 0.7 < share_of_myth["popular"] < 0.9
 
 
 # ----- tokenizer ---------------------------------------------------------------------------------------------------
@@ -137,7 +180,7 @@ def test_models_match_the_tokenizer_and_reload(tokenizer, student_path):
 
 
 # ----- pretraining -------------------------------------------------------------------------------------------------
-SMALL_WORLD = dict(seed=0, num_entities=8, num_myths=8, math_test_size=8, math_dev_size=8)
+SMALL_WORLD = dict(seed=0, num_entities=16, num_myths=8, math_test_size=8, math_dev_size=8)
 
 
 @pytest.mark.slow
@@ -207,7 +250,7 @@ def test_statelens_lab_build_and_info(tmp_path, monkeypatch, capsys):
     assert "no lab built" in capsys.readouterr().out
     assert statelens(["lab", "build", "--size", "test", "--max-steps", "20", "--teacher-steps", "3"]) == 0
     assert "lab ready at" in capsys.readouterr().out
-    root = tmp_path / "lab" / "seed0"
+    root = tmp_path / "lab" / "v2" / "seed0"
     info = json.loads((root / "info.json").read_text())
     assert set(info["teacher"]["test_scores"]) == {"math", "kb", "truth"}
     assert info["pretrain_steps"] == 20 and set(info["test_scores"]) == {"math", "kb", "truth"}

@@ -85,10 +85,10 @@ def test_installed_wheel_imports_and_runs(dist, tmp_path):
     site_packages = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
     (site_packages / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     home = tmp_path / "home"
-    (home / "lab" / "seed0").mkdir(parents=True)
+    (home / "lab" / "v2" / "seed0").mkdir(parents=True)
     info = {"size": "test", "parameters": 1e5, "pretrain_steps": 5, "build_seconds": 3.0, "in_band": False}
     info["test_scores"] = {"math": 0.1, "kb": 0.5, "truth": 0.5}
-    (home / "lab" / "seed0" / "info.json").write_text(json.dumps(info))
+    (home / "lab" / "v2" / "seed0" / "info.json").write_text(json.dumps(info))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "STATELENS_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     env |= {key: os.environ[key] for key in ("TMPDIR",) if key in os.environ}  # no PYTHONPATH: nothing from here
 

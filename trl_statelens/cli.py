@@ -57,13 +57,15 @@ def _report(args: argparse.Namespace) -> int:
 def _print_info(info: dict) -> None:
     scores = info["test_scores"]
     print(
-        f"  base model: {info['size']} Qwen3, {info['parameters'] / 1e6:.2f}M parameters, "
+        f"  base model (lab v{info.get('lab_version', 1)}): {info['size']} Qwen3, {info['parameters'] / 1e6:.2f}M parameters, "
         f"{info['pretrain_steps']} pretraining steps, built in {info['build_seconds']:.0f} s"
     )
     print(
         f"  test scores: math {scores['math']:.3f}  kb (MMLU analog) {scores['kb']:.3f}  "
         f"truth (TruthfulQA analog) {scores['truth']:.3f}  in band: {info['in_band']}"
     )
+    if "math_band" in info:
+        print(f"  bands: math {tuple(info['math_band'])}, kb and truth {tuple(info['retention_band'])}")
     if "teacher" in info:
         teacher = info["teacher"]["test_scores"]
         print(
@@ -119,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--size", default="lab", help="model size: 'lab' (default) or 'test'")
-    build.add_argument("--max-steps", type=int, default=1200, help="pretraining step limit")
-    build.add_argument("--teacher-steps", type=int, default=150, help="fine-tuning steps of the lab math teacher")
+    build.add_argument("--max-steps", type=int, default=500, help="pretraining step limit (cosine schedule length)")
+    build.add_argument("--teacher-steps", type=int, default=300, help="fine-tuning steps of the lab math teacher")
     build.add_argument("--force", action="store_true", help="rebuild even if a cached lab exists")
     build.set_defaults(func=_lab_build)
     info = lab.add_parser("info", help="print what is cached and the base model's measured scores")

@@ -1,7 +1,8 @@
 """Build the lab: data files, tokenizer and a pretrained base model, cached under ``$STATELENS_HOME/lab``.
 
 The base model is pretrained on raw text of the world (no chat format) until its math accuracy on a held-out dev
-split enters a band that leaves room for post-training, while its retention tasks are near-perfect.
+split enters a band that leaves room for post-training. Its retention tasks land far from chance and from ceiling by
+construction of the world (facts stated often, seldom or never; myths debunked, contested or popular).
 """
 
 from __future__ import annotations
@@ -21,17 +22,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .model import build_model
 from .paths import lab_dir
 from .tokenizer import build_tokenizer
-from .world import LabWorld, format_plain
+from .world import LAB_VERSION, LabWorld, format_plain
 
-MATH_BAND = (0.10, 0.40)  # base-model math accuracy that leaves room for post-training
-RETENTION_MIN = 0.90
-MATH_NEW_TOKENS = 128
+# Base-model scores that leave room for post-training in both directions (4-way retention choices: chance 0.25)
+MATH_BAND = (0.15, 0.35)
+RETENTION_BAND = (0.45, 0.85)
+MATH_NEW_TOKENS = 96  # lab answers are at most ~80 tokens
 _FINAL = re.compile(r"#### (-?\d+)")
 
 
 def _say(message: str) -> None:
     tqdm.write(message)  # keeps progress bars intact
     sys.stdout.flush()  # and reaches a redirected log at once
+
+
+def in_bands(scores: dict) -> bool:
+    return MATH_BAND[0] <= scores["math"] <= MATH_BAND[1] and all(
+        RETENTION_BAND[0] <= scores[task] <= RETENTION_BAND[1] for task in ("kb", "truth")
+    )
 
 
 # ----- the lab's own scorers (the evaluation module checks itself against these) -------------------------------
@@ -111,21 +119,21 @@ def pretrain(
     tokenizer,
     world: LabWorld,
     out_dir: Path,
-    max_steps: int = 1200,
-    batch_size: int = 32,
+    max_steps: int = 500,
+    batch_size: int = 16,
     block: int = 256,
-    lr: float = 3e-3,
-    eval_every: int = 50,
-    min_steps: int = 200,
+    lr: float = 4e-3,
+    eval_every: int = 25,
+    min_steps: int = 300,
     math_target: float = 0.2,
     seed: int = 0,
     log=_say,
 ) -> dict:
     """Pretrain on the world's raw text; stop at the first dev evaluation whose math accuracy reaches
-    ``math_target`` with retention above ``RETENTION_MIN``.
+    ``math_target``.
 
     Dev evaluations run every ``eval_every`` steps from ``min_steps`` on (earlier ones could not stop the run and
-    cost about 10 s each at lab size). Resumable: a checkpoint (weights, optimizer, data stream and RNG state) is
+    cost about 5 s each at lab size). Resumable: a checkpoint (weights, optimizer, data stream and RNG state) is
     written to ``out_dir/ckpt.pt`` every ``eval_every`` steps, and a restart continues from it. Returns the history
     of dev evaluations.
     """
@@ -186,7 +194,7 @@ def pretrain(
                 ckpt_path,
             )
             log(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if k != "step"))
-            if evaluated and scores["math"] >= math_target and min(scores["kb"], scores["truth"]) >= RETENTION_MIN:
+            if evaluated and scores["math"] >= math_target:
                 break
     bar.close()
     return {"steps": step, "history": history}
@@ -224,21 +232,22 @@ def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, *
         "test_scores": scores,
         "dev_history": result["history"],
         "build_seconds": round(time.perf_counter() - started, 1),
+        "lab_version": LAB_VERSION,
         "math_band": MATH_BAND,
-        "in_band": MATH_BAND[0] <= scores["math"] <= MATH_BAND[1]
-        and min(scores["kb"], scores["truth"]) >= RETENTION_MIN,
+        "retention_band": RETENTION_BAND,
+        "in_band": in_bands(scores),
     }
     info_path.write_text(json.dumps(info, indent=2))
     if not info["in_band"]:
         log(
-            f"WARNING: base scores {scores} are outside the intended band (math in {MATH_BAND}, retention >= "
-            f"{RETENTION_MIN}); post-training results on this lab may say little. Rebuild with another --seed."
+            f"WARNING: base scores {scores} are outside the intended bands (math in {MATH_BAND}, retention tasks in "
+            f"{RETENTION_BAND}); post-training results on this lab may say little. Rebuild with another --seed."
         )
     return root
 
 
 def build_teacher(
-    seed: int = 0, steps: int = 150, batch_size: int = 16, lr: float = 5e-4, force: bool = False, log=_say
+    seed: int = 0, steps: int = 300, batch_size: int = 16, lr: float = 5e-4, force: bool = False, log=_say
 ) -> Path:
     """The lab teacher: the base model fine-tuned on lab math (answer tokens only), cached in ``lab_dir(seed)/teacher``.
 

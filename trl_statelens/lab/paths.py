@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from .world import LAB_VERSION
+
 
 def lab_home() -> Path:
     """Where the lab is cached: ``$STATELENS_HOME/lab`` (default ``~/.cache/trl_statelens/lab``)."""
@@ -14,7 +16,8 @@ def lab_home() -> Path:
 
 
 def lab_dir(seed: int = 0) -> Path:
-    return lab_home() / f"seed{seed}"
+    """The lab of world version ``LAB_VERSION`` and ``seed``; labs of other versions stay where they are, unused."""
+    return lab_home() / f"v{LAB_VERSION}" / f"seed{seed}"
 
 
 def lab_info(seed: int = 0) -> dict | None:
