@@ -188,7 +188,10 @@ def test_pretraining_lowers_loss_and_learns_the_retention_facts(tmp_path):
     world = LabWorld(**SMALL_WORLD)
     tokenizer = build_tokenizer(world, num_documents=1000)
     model = build_model("test", tokenizer)
-    before = score_multiple_choice(model, tokenizer, world.kb("test") + world.truth("test"))
+    # what the corpus states often: common knowledge-base facts and debunked myths
+    debunked = [row for row, m in zip(world._truth_rows, world.myths) if m["tier"] == "debunked"]
+    stated = world._kb_questions_by_tier["common"] + debunked
+    before = score_multiple_choice(model, tokenizer, stated)
     result = pretrain(
         model,
         tokenizer,
@@ -207,7 +210,7 @@ def test_pretraining_lowers_loss_and_learns_the_retention_facts(tmp_path):
     losses = [h["loss"] for h in result["history"]]
     assert losses[0] < 0.6 * math.log(len(tokenizer))  # far below a uniform guess after 40 steps
     assert losses[-1] < 0.8 * losses[0]  # and still falling
-    after = score_multiple_choice(model, tokenizer, world.kb("test") + world.truth("test"))
+    after = score_multiple_choice(model, tokenizer, stated)
     # 4-way choices: chance is 0.25
     assert after > 0.5 and after > before
 

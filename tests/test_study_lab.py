@@ -28,3 +28,39 @@ def test_study_chain_runs_every_run_and_summarizes(tmp_path, student_path):
     opd = json.loads((out / "seed0" / "opd_from_stress_sft" / "results.json").read_text())
     assert opd["teacher"] == str(out / "seed0" / "stress_sft")
     assert (out / "seed0" / "report" / "report.md").exists() and (out / "summary.md").exists()
+    # each comparison's per-seed difference is the two runs' own item scores, paired by question
+    stress = json.loads((out / "seed0" / "stress_sft" / "results.json").read_text())
+    vs_teacher = next(
+        c
+        for c in summary["comparisons"]
+        if c["run"] == "opd_from_stress_sft" and c["reference"] == "stress_sft" and c["task"] == "mmlu"
+    )
+    difference = opd["after"]["scores"]["mmlu"] - stress["after"]["scores"]["mmlu"]
+    assert vs_teacher["per_seed"] == pytest.approx([difference])
+    low, high = vs_teacher["ci95"]
+    assert low <= vs_teacher["mean"] <= high
+
+
+def write_items(run_dir: Path, correct: list[int]) -> None:
+    (run_dir / "eval").mkdir(parents=True)
+    lines = [{"task": "gsm8k", "question": f"q{i}", "correct_strict": bool(c)} for i, c in enumerate(correct)]
+    lines += [{"task": task, "question": "k", key: 0.0} for task, key in (("truthfulqa", "mc1"), ("mmlu", "correct"))]
+    (run_dir / "eval" / "after.items.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_paired_comparison_and_its_bootstrap_interval(tmp_path, monkeypatch):
+    """Per seed: the mean item difference; the interval resamples items, so a difference every seed shows on many
+    items is real, and one that depends on a single item is not."""
+    sys.path.insert(0, str(STUDY.parent))
+    import study_lab
+
+    monkeypatch.setattr(study_lab, "COMPARISONS", [("better", "better", "base"), ("lucky", "lucky", "base")])
+    write_items(tmp_path / "base", [0] * 100)
+    for seed in (0, 1):
+        write_items(tmp_path / f"seed{seed}" / "better", [1] * 30 + [0] * 70)  # +0.30 on 30 of 100 items
+        write_items(tmp_path / f"seed{seed}" / "lucky", [1] + [0] * 99)  # +0.01, always the same item
+    results = {c["run"]: c for c in study_lab.compare_runs(tmp_path, [0, 1]) if c["task"] == "gsm8k"}
+    assert results["better"]["per_seed"] == pytest.approx([0.30, 0.30])
+    low, high = results["better"]["ci95"]
+    assert 0.18 < low < 0.30 < high < 0.42 and results["better"]["real"]
+    assert results["lucky"]["per_seed"] == pytest.approx([0.01, 0.01]) and not results["lucky"]["real"]
