@@ -19,6 +19,7 @@ REAL_COMPLETION_TOKENS tokens, and writes `opd_real.json`.
 """
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -61,7 +62,9 @@ ARMS = ("distill", "reverse_kl", "continuation", "divergence")
 def fixed_length_prompts(tokenizer, world, n: int) -> list[str]:
     """Math prompts cut to exactly PROMPT_TOKENS tokens (kept only when the cut text re-tokenizes to that length)."""
     prompts = []
-    for row in world.math("train", n=4 * n, seed=7):
+    # Five-step problems: the lab's own (1-3 steps) are mostly shorter than PROMPT_TOKENS
+    long_problems = dataclasses.replace(world, math_steps=(5, 5))
+    for row in long_problems.math("train", n=4 * n, seed=7):
         ids = tokenizer(format_plain(row["question"]), add_special_tokens=False)["input_ids"]
         if len(ids) < PROMPT_TOKENS:
             continue

@@ -475,6 +475,7 @@ def test_lab_base_model_matches_lab_scorers_and_retains_above_chance():
         ("#### -18", "-18", "-18", "-18"),
         ("#### 1,800", "1,800", "1,800", "1800"),
         ("#### 18\n#### 19", "18", "19", "18"),  # strict: the first; flexible: the last
+        ("#### 14, Pia has 3", "14,", "3", "14"),  # lm-eval keeps the comma
         ("The answer is $1,234.50.", "[invalid]", "$1,234.50.", None),
         ("x = 5, so 5.", "[invalid]", "5.", None),
         ("no digits", "[invalid]", "[invalid]", None),

@@ -236,10 +236,11 @@ def test_gsm8k_matches_lm_eval_item_by_item(tmp_path, data, model_and_tokenizer,
         assert record["strict"] == s["filtered_resps"][0] and record["flexible"] == f["filtered_resps"][0]
         assert record["correct_strict"] == bool(s["exact_match"])
         assert record["correct_flexible"] == bool(f["exact_match"])
-    if source == "lab_gsm8k":  # the model exercised extraction: found and missed answers, right and wrong ones
-        assert {r["strict"] == "[invalid]" for r in ours} == {True, False}
+    if source == "lab_gsm8k":  # the model exercised extraction: right and wrong answers under the flexible filter
+        # On lab v2's problems this small model's 5-shot answers stop before any '#### N' line, so every strict
+        # answer is '[invalid]' here; strict answers that are found are compared with lm-eval's filters on fixed
+        # strings in tests/test_evaluation.py (test_lm_eval_filters_on_tricky_outputs).
         assert {r["correct_flexible"] for r in ours} == {True, False}
-        assert any(r["strict"].endswith(",") for r in ours)  # "#### 14, Pia has ...": lm-eval keeps the comma
 
 
 @pytest.mark.slow
