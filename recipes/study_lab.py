@@ -187,14 +187,16 @@ def compare_runs(out: Path, seeds: list[int]) -> list[dict]:
     problems for every seed, so the interval covers which problems the test happens to hold, not seed noise)."""
     rng = np.random.default_rng(0)
     base = item_scores(out / "base")
+    names = {name for _, run, reference in COMPARISONS for name in (run, reference) if name != "base"}
+    scores = {(name, seed): item_scores(out / f"seed{seed}" / name) for name in names for seed in seeds}
     results = []
     for label, run, reference in COMPARISONS:
         for task in SCORES:
             questions = sorted(base[task])
             differences = []  # seeds x questions
             for seed in seeds:
-                a = item_scores(out / f"seed{seed}" / run)[task]
-                b = base[task] if reference == "base" else item_scores(out / f"seed{seed}" / reference)[task]
+                a = scores[run, seed][task]
+                b = base[task] if reference == "base" else scores[reference, seed][task]
                 differences.append([a[q] - b[q] for q in questions])
             differences = np.array(differences)
             resampled = rng.integers(0, len(questions), size=(BOOTSTRAP_SAMPLES, len(questions)))
