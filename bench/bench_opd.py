@@ -21,7 +21,6 @@ REAL_COMPLETION_TOKENS tokens, and writes `opd_real.json`.
 import argparse
 import dataclasses
 import statistics
-import tempfile
 import time
 
 import torch
@@ -34,6 +33,7 @@ from common import (
     ratio_row,
     run_forked,
     say,
+    scratch_dir,
     train_and_measure,
     write_results,
 )
@@ -88,7 +88,7 @@ def run_arm(
     completion_tokens=COMPLETION_TOKENS,
 ):
     """One training run in a forked child: step times, forwards per step, peak memory (and the floor)."""
-    output_dir = tempfile.mkdtemp(prefix=f"bench-{arm}-")
+    output_dir = scratch_dir(f"bench-{arm}-")
     common = dict(
         output_dir=output_dir,
         max_steps=WARMUP_STEPS + steps,
@@ -214,7 +214,7 @@ def main(repeats: int = 3, steps: int = 4, size: str = "lab") -> dict:
         tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
     prompts = fixed_length_prompts(tokenizer, world, n=256)
     dataset = Dataset.from_dict({"prompt": prompts})
-    model_dir = tempfile.mkdtemp(prefix="bench-opd-models-")
+    model_dir = scratch_dir("bench-opd-models-")
     results = {"setup": {"size": size}, "runs": {}}
     tables = []
     completion_tokens = REAL_COMPLETION_TOKENS if size == "real" else COMPLETION_TOKENS

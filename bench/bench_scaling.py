@@ -24,7 +24,6 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from common import (
     peak_memory_mb,
     run_forked,
     say,
+    scratch_dir,
     start_peak_memory,
     train_and_measure,
     write_results,
@@ -91,7 +91,7 @@ def slope(sizes, costs) -> float:
 def sweep_opd(config, tokenizer, world, steps, on_cell=None) -> dict:
     """Every (V, T) cell; `on_cell(partial_results)` after each one, so an interrupted sweep keeps its cells."""
     dataset = Dataset.from_dict({"prompt": bench_opd.fixed_length_prompts(tokenizer, world, n=64)})
-    model_dir = tempfile.mkdtemp(prefix="bench-scaling-opd-")
+    model_dir = scratch_dir("bench-scaling-opd-")
     cells = []
     for vocab_size in sorted({v for v, _ in config["opd_cells"]}):
         shape = config["opd_model"]
@@ -176,7 +176,7 @@ def profile_opd(arm, vocab_size, length, steps=1, config=FULL) -> dict:
     tokenizer.model_max_length = 4096
     dataset = Dataset.from_dict({"prompt": bench_opd.fixed_length_prompts(tokenizer, world, n=64)})
     shape = config["opd_model"]
-    paths, _ = bench_opd.save_models(tokenizer, vocab_size, tempfile.mkdtemp(prefix="bench-profile-"), shape, shape)
+    paths, _ = bench_opd.save_models(tokenizer, vocab_size, scratch_dir("bench-profile-"), shape, shape)
     phases = {}
 
     def timed(name, method):
@@ -216,7 +216,7 @@ def sweep_sft(config, tokenizer, world, steps) -> dict:
     dataset = Dataset.from_list(
         [{"prompt": format_plain(r["question"]), "completion": " " + r["answer"]} for r in rows]
     )
-    model_path = tempfile.mkdtemp(prefix="bench-scaling-sft-")
+    model_path = scratch_dir("bench-scaling-sft-")
     build_qwen3(tokenizer, **config["sft_model"]).save_pretrained(model_path)
     tokenizer.save_pretrained(model_path)
     points = []
@@ -357,7 +357,7 @@ def measure_probe_step(config, world) -> dict:
     peak memory of the run, and the training step it is measured against."""
     setting = config["probe_step"]
     tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
-    model_path = tempfile.mkdtemp(prefix="bench-scaling-probe-")
+    model_path = scratch_dir("bench-scaling-probe-")
     build_qwen3(tokenizer, **setting["model"]).save_pretrained(model_path)
     tokenizer.save_pretrained(model_path)
     prompts = [format_plain(r["question"]) for r in world.math("dev")[: setting["probes"]]]
@@ -368,7 +368,7 @@ def measure_probe_step(config, world) -> dict:
     # Steps 2 and 4 train only, step 3 also probes (the reference is sampled before step 1)
     callback = StateLoggingCallback(probe_prompts=prompts, probe_steps=3, probe_max_new_tokens=setting["tokens"])
     args = SFTConfig(
-        tempfile.mkdtemp(prefix="bench-scaling-probe-run-"),
+        scratch_dir("bench-scaling-probe-run-"),
         max_steps=4,
         per_device_train_batch_size=bench_state_logging.BATCH,
         max_length=256,

@@ -22,7 +22,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from common import (
     ratio_row,
     run_forked,
     say,
+    scratch_dir,
     train_and_measure,
     write_results,
 )
@@ -57,7 +57,7 @@ def run_arm(arm, student_path, teacher_path, url, dataset, steps, gradient_accum
         model=student_path,
         teacher_model=teacher_path if arm == "in_process" else None,
         args=OnPolicyDistillConfig(
-            output_dir=tempfile.mkdtemp(prefix=f"bench-served-{arm}-"),
+            output_dir=scratch_dir(f"bench-served-{arm}-"),
             max_steps=WARMUP_STEPS + steps,
             per_device_train_batch_size=ROLLOUTS_PER_STEP // gradient_accumulation_steps,
             gradient_accumulation_steps=gradient_accumulation_steps,
@@ -107,7 +107,7 @@ def main(
     tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
     rows = world.math("train", n=256, seed=7)
     dataset = Dataset.from_dict({"prompt": [format_plain(r["question"]) for r in rows]})
-    model_dir = tempfile.mkdtemp(prefix="bench-served-models-")
+    model_dir = scratch_dir("bench-served-models-")
     paths, setup = {}, {}
     for name, shape, seed in (("student", STUDENT, 0), ("teacher", TEACHER, 1)):
         model = build_qwen3(tokenizer, **shape, seed=seed)

@@ -20,7 +20,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -93,12 +92,12 @@ def free_port() -> int:
 def main(latency: float, iterations: int) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_served_teacher import TEACHER
-    from common import say
+    from common import say, scratch_dir
 
     from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer
 
     tokenizer = build_tokenizer(LabWorld(seed=0), vocab_size=1024, num_documents=2000)
-    teacher_path = f"{tempfile.mkdtemp(prefix='bench-ranks-')}/teacher"
+    teacher_path = f"{scratch_dir('bench-ranks-')}/teacher"
     build_qwen3(tokenizer, **TEACHER, seed=1).save_pretrained(teacher_path)
     tokenizer.save_pretrained(teacher_path)
     server = subprocess.Popen(
@@ -108,7 +107,7 @@ def main(latency: float, iterations: int) -> dict:
     )
     try:
         url = server.stdout.readline().strip()
-        output = f"{tempfile.mkdtemp(prefix='bench-ranks-')}/result.json"
+        output = f"{scratch_dir('bench-ranks-')}/result.json"
         accelerate = Path(sys.executable).parent / "accelerate"
         command = [
             str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",

@@ -16,7 +16,6 @@ less work per step (REAL_WORK), and writes `state_logging_real.json`.
 
 import argparse
 import statistics
-import tempfile
 import time
 
 from common import (
@@ -28,6 +27,7 @@ from common import (
     ratio_row,
     run_forked,
     say,
+    scratch_dir,
     train_and_measure,
     write_results,
 )
@@ -70,7 +70,7 @@ def run_arm(
     completion_tokens=COMPLETION_TOKENS,
 ):
     """One training run in a forked child: step times, forwards per step, peak memory, time in our code."""
-    output_dir = tempfile.mkdtemp(prefix=f"bench-{kind}-{arm}-")
+    output_dir = scratch_dir(f"bench-{kind}-{arm}-")
     total_steps = WARMUP_STEPS + steps
     callbacks = None
     probe_steps = total_steps - 1  # one probe inside the measured steps (the reference sample runs before step 1)
@@ -140,7 +140,7 @@ def main(repeats: int = 3, steps: int = 3, size: str = "lab") -> dict:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     else:
         tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
-        model_path = tempfile.mkdtemp(prefix="bench-state-logging-model-")
+        model_path = scratch_dir("bench-state-logging-model-")
         model = build_qwen3(tokenizer, **MODEL)
         model.save_pretrained(model_path)
         tokenizer.save_pretrained(model_path)

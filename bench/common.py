@@ -1,11 +1,14 @@
 """Shared pieces of the benchmarks: CPU settings, per-step timing and forward counts, and one forked child
 per run (a fresh peak-memory reading without paying the ~8 s `import trl` again)."""
 
+import atexit
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -33,6 +36,18 @@ hf_logging.disable_progress_bar()
 datasets.disable_progress_bars()
 
 RESULTS_DIR = Path(__file__).parent / "results"
+
+# Every run's models and output folders go under one scratch folder, removed when the process that imported this
+# module exits (a served-teacher run saves 140 MB of models; `make bench` used to leave them all in /tmp). Forked
+# runs leave through `os._exit`, which skips this.
+SCRATCH = tempfile.mkdtemp(prefix="statelens-bench-")
+atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new folder under `SCRATCH`."""
+    return tempfile.mkdtemp(prefix=prefix, dir=SCRATCH)
+
 
 # What every benchmark trainer shares (TRL's defaults of bf16 and gradient checkpointing are slow on CPU)
 CPU_ARGS = dict(
