@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,6 +33,9 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 TORCH_THREADS = 1
 torch.set_num_threads(TORCH_THREADS)
 hf_logging.set_verbosity_error()
+# transformers 5 renamed `gradient_checkpointing` to `activation_checkpointing`; TRL 1.16 still uses the old names, and
+# the warning came once per forked run, about half of `make bench`'s output
+warnings.filterwarnings("ignore", message=r".*gradient_checkpointing` is deprecated", category=FutureWarning)
 hf_logging.disable_progress_bar()
 datasets.disable_progress_bars()
 

@@ -1,5 +1,5 @@
-"""`make bench`: every benchmark, one table each, results in bench/results/*.json (about 8 minutes on 2 cores for
-state_logging and opd, then about 12 for the scaling sweep).
+"""`make bench`: every benchmark, one table each, results in bench/results/*.json (about 6.5 minutes on 2 quiet cores
+for state_logging and opd, then about 14.5 for the scaling sweep).
 
 .venv/bin/python bench/run.py [--repeats 3] [--steps 3] [--only state_logging|opd|scaling] [--quick] [--size lab|real]
 
