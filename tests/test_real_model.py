@@ -43,6 +43,15 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="
 
 
 # ----- fixtures ----------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def two_threads():
+    """A 135M-parameter model's matmuls use both cores (conftest sets one thread for the tiny models elsewhere)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory):
     """The converted folder: the user's cached copy when there is one, else converted once into a temporary home."""
