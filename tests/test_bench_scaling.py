@@ -14,7 +14,9 @@ BENCH = Path(__file__).parent.parent / "bench"
 
 @pytest.mark.slow
 def test_quick_scaling_sweep_writes_every_field(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+    temporary = tmp_path / "tmp"  # the sweep's TMPDIR: its saved models and run folders go there
+    temporary.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent), "TMPDIR": str(temporary)}
     subprocess.run(
         [sys.executable, "bench_scaling.py", "--quick", "--steps", "1", "--out", str(tmp_path)],
         cwd=BENCH,
@@ -23,6 +25,8 @@ def test_quick_scaling_sweep_writes_every_field(tmp_path):
         capture_output=True,
         timeout=600,
     )
+    # nothing of the benchmark's is left behind (`make bench` used to leave every run's models in /tmp)
+    assert not [p.name for p in temporary.iterdir() if "bench" in p.name]
     results = json.loads((tmp_path / "scaling_quick.json").read_text())
     assert results["quick"] is True
     assert set(results["machine"]) == {"probe", "sft", "opd"}
