@@ -186,6 +186,33 @@ def test_continuation_ledger_has_no_teacher_kl(tmp_path, student_path, math_trai
     assert len(log_history(trainer, "teacher_kl")) == 1  # the trainer's metric, on the student's own prefix
 
 
+def test_teacher_continuation_ends_at_its_eos_despite_the_rollouts_min_new_tokens(
+    tmp_path, student_path, teacher_path, math_dataset
+):
+    """`generation_kwargs={"min_new_tokens": ...}` holds the student's rollouts to a length; a teacher that ends its
+    continuation at once still ends it there (a served teacher is sent no length floor either)."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(
+            tmp_path, signal="continuation", continuation_length=6, generation_kwargs={"min_new_tokens": 8}
+        ),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    eos = trainer.eos_token_ids[0]
+
+    def eos_first(module, inputs, logits):  # this teacher always wants to stop
+        logits[..., eos] += 1e4
+        return logits
+
+    teacher.get_output_embeddings().register_forward_hook(eos_first)
+    prompt_ids = trainer._tokenizer(math_dataset["prompt"][:3])["input_ids"]
+    assert trainer._teacher_generate(prompt_ids, 6) == [[eos]] * 3
+    assert trainer.generation_config.min_new_tokens == 8  # the student's own rollouts keep their floor
+
+
 def test_dataset_source_without_reference_column_fails_clearly(tmp_path, student_path, teacher_path, math_dataset):
     with pytest.raises(ValueError, match="reference answers in column 'completion'"):
         OnPolicyDistillTrainer(

@@ -306,6 +306,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
         generation_config = trainer_generation_config(self)
         generation_config.max_new_tokens = max_new_tokens
+        # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
+        # continuation ends at its own eos, as a served teacher's does
+        generation_config.min_new_tokens, generation_config.min_length = None, 0
         with unwrap_model_for_generation(
             self.teacher_model, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
         ) as teacher:
