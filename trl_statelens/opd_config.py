@@ -51,7 +51,9 @@ class OnPolicyDistillConfig(GRPOConfig):
             Discount $\gamma$ of future per-token reverse KL in the `reverse_kl` advantage; `0` uses each token's
             own KL only.
         continuation_length (`int`, *optional*, defaults to `16`):
-            Tokens the teacher writes from each cut point with `signal="continuation"`.
+            Most tokens the teacher writes from each cut point with `signal="continuation"`, sampled with the
+            student's settings (temperature, top-p/k, min-p, repetition penalty); a continuation ends at the
+            teacher's eos, whatever `min_new_tokens` the rollouts are held to.
         jsd_beta (`float`, *optional*, defaults to `1.0`):
             Interpolation of the generalised JSD with `signal="divergence"`: `0.0` forward KL, `1.0` reverse KL.
             (GRPO's own `beta`, the KL coefficient against a reference model, must stay `0.0`: see above.)

@@ -283,9 +283,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
     @torch.no_grad()
     def _teacher_generate(self, prefixes: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Teacher samples `max_new_tokens` from each token prefix, with the student's sampling settings (GRPO's own,
-        or built from its fields under vLLM, where GRPO keeps no `generation_config`); each continuation ends at (and
-        includes) its first eos."""
+        """Teacher samples up to `max_new_tokens` from each token prefix, with the student's sampling settings (GRPO's
+        own, or built from its fields under vLLM, where GRPO keeps no `generation_config`) but not its length floor;
+        each continuation ends at (and includes) its first eos."""
         if not prefixes:
             return []
         if self.served_teacher is not None:
