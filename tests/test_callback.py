@@ -4,6 +4,7 @@ import json
 import logging
 
 import pytest
+import torch
 from cpu_settings import CPU
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -234,3 +235,76 @@ def test_probes_restore_the_trainers_gradient_checkpointing_kwargs(tmp_path, stu
     trainer.add_callback(CheckpointingKwargs())
     trainer.train()
     assert seen == [{"use_reentrant": True}]
+
+
+def opd_trainer_at_lr_0(out, student_path, teacher_path, dataset, callback, steps: int):
+    from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+
+    args = OnPolicyDistillConfig(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=8, learning_rate=0.0, **CPU,
+    )  # fmt: skip
+    return OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path), args=args, train_dataset=dataset,
+        callbacks=[callback],
+    )  # fmt: skip
+
+
+def direct_reverse_kl(student, teacher, tokenizer, prompts, completions):
+    """Exact KL(p_S || p_T) at every completion token, one sequence at a time, and whether each token has a digit."""
+    kls, numbers, prefix = [], [], []
+    for prompt, completion in zip(prompts, completions):
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            s = torch.log_softmax(student(input_ids=ids).logits[0].double(), -1)
+            t = torch.log_softmax(teacher(input_ids=ids).logits[0].double(), -1)
+        kl = (s.exp() * (s - t)).sum(-1)
+        kls += kl[len(p) - 1 : len(p) + len(c) - 1].tolist()
+        numbers += [any(ch.isdigit() for ch in tokenizer.convert_ids_to_tokens(i)) for i in c]
+        prefix += range(len(c))
+    return torch.tensor(kls, dtype=torch.float64), torch.tensor(numbers), torch.tensor(prefix)
+
+
+@pytest.mark.parametrize("kind", ["statelens", "distillation"])
+def test_probe_teacher_disagreement_equals_a_direct_computation(
+    kind, tmp_path, student_path, teacher_path, tokenizer, math_dataset, probe_prompts
+):
+    """Exact reverse KL on probe states, for our trainer and the stock one alike; at lr 0 the student's own
+    samples are the step-0 samples, so the own-state and fixed-state values coincide."""
+    callback = StateLoggingCallback(probe_prompts=probe_prompts[:5], probe_steps=1, probe_max_new_tokens=16)
+    if kind == "distillation":
+        trainer = stock_trainer(kind, tmp_path, student_path, teacher_path, tokenizer, math_dataset, [])
+        callback.trainer = trainer
+        trainer.add_callback(callback)
+    else:
+        trainer = opd_trainer_at_lr_0(tmp_path / kind, student_path, teacher_path, math_dataset, callback, steps=2)
+    trainer.train()
+    drift = read_jsonl(tmp_path / kind / "statelens" / "drift.jsonl")
+    reference = json.loads((tmp_path / kind / "statelens" / "drift_reference.json").read_text())["completions"]
+    student = trainer.accelerator.unwrap_model(trainer.model).eval()
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model).eval()
+    kl, number, prefix = direct_reverse_kl(student, teacher, tokenizer, probe_prompts[:5], reference)
+    assert kl.mean() > 0.01  # two different random models: a KL worth measuring
+    for line in drift:
+        assert line["teacher_kl"] == pytest.approx(kl.mean().item(), rel=1e-4)
+        assert line["teacher_kl_fixed"] == pytest.approx(kl.mean().item(), rel=1e-4)
+        assert line["number_frac"] == pytest.approx(number.double().mean().item())
+        if number.any():
+            assert line["teacher_kl_number"] == pytest.approx(kl[number].mean().item(), rel=1e-4)
+        assert line["teacher_kl_other"] == pytest.approx(kl[~number].mean().item(), rel=1e-4)
+        assert line["probe_tokens"] == pytest.approx(len(kl) / 5)
+        by_prefix = line["teacher_kl_by_prefix"]  # bins [0, 1), [1, 3), [3, 7), [7, 15), [15, 31)
+        assert [n for n, _ in by_prefix] == torch.bincount(torch.log2(prefix + 1.0).floor().long()).tolist()
+        assert by_prefix[2][1] == pytest.approx(kl[(prefix >= 3) & (prefix < 7)].mean().item(), rel=1e-4)
+
+
+def test_probe_teacher_disagreement_is_zero_for_a_teacher_equal_to_the_student(
+    tmp_path, math_trained_path, tokenizer, math_dataset, probe_prompts
+):
+    callback = StateLoggingCallback(probe_prompts=probe_prompts[:3], probe_steps=1, probe_max_new_tokens=12)
+    opd_trainer_at_lr_0(tmp_path, math_trained_path, math_trained_path, math_dataset, callback, steps=1).train()
+    (line,) = read_jsonl(tmp_path / "statelens" / "drift.jsonl")
+    assert abs(line["teacher_kl"]) < 1e-6 and abs(line["teacher_kl_fixed"]) < 1e-6
+    assert line["probe_tokens"] > 0

@@ -642,3 +642,46 @@ def test_lm_eval_mmlu_limit_takes_the_first_rows_of_each_subject(tmp_path):
         ("virology", 0),
         ("virology", 1),
     ]
+
+
+def test_gsm8k_sampled_accuracy_samples_the_policy_and_averages_every_sample(lab_tokenizer, tiny_model, monkeypatch):
+    task = GSM8KTask("lab", split="dev", limit=4, batch_size=8, max_new_tokens=12, num_samples=3)
+    prompts = task.prompt_texts(lab_tokenizer)
+    # near temperature 0 the sampling path decodes greedily; at temperature 1 it samples (other texts), seeded
+    cold = task.generate(tiny_model, lab_tokenizer, prompts, progress=False, sample_temperature=1e-4)
+    assert cold == task.generate(tiny_model, lab_tokenizer, prompts, progress=False)
+    rng = torch.get_rng_state()
+    first = task.evaluate(tiny_model, lab_tokenizer, progress=False)["metrics"]["accuracy_sampled"]
+    assert torch.equal(rng, torch.get_rng_state())  # the caller's randomness did not move
+    hot = task.generate(tiny_model, lab_tokenizer, prompts, progress=False, sample_temperature=1.0)
+    assert hot != cold
+    assert first == task.evaluate(tiny_model, lab_tokenizer, progress=False)["metrics"]["accuracy_sampled"]
+
+    # the score: every sample of every problem counts once (first sample right, the other two wrong: 1/3)
+    examples = task.examples()
+    answers = [f"#### {e['ground_truth']}" for e in examples]
+
+    def fake_generate(model, tokenizer, prompts, progress=True, sample_temperature=None):
+        if sample_temperature is None:
+            return answers
+        return [answers[i // 3] if i % 3 == 0 else "#### -1" for i in range(len(prompts))]
+
+    monkeypatch.setattr(task, "generate", fake_generate)
+    metrics = task.evaluate(tiny_model, lab_tokenizer, progress=False)["metrics"]
+    assert metrics["accuracy_strict"] == 1.0
+    assert metrics["accuracy_sampled"] == pytest.approx(1 / 3)
+
+
+def test_recipe_eval_split_dev_scores_the_dev_problems(world):
+    from trl_statelens.evaluation import build_tasks
+    from trl_statelens.runs import RecipeArguments, evaluation_settings, probe_prompts
+
+    args = RecipeArguments(eval_split="dev", eval_samples=2, num_probes=5)
+    (task,) = build_tasks(["gsm8k"], **evaluation_settings(args, seed=0))
+    dev = {r["question"] for r in world.math("dev")}
+    assert len(task.examples()) == len(dev) == 100
+    assert {e["question"] for e in task.examples()} == dev
+    assert task.num_samples == 2
+    assert all(any(q in p for q in dev) for p in probe_prompts(args))
+    with pytest.raises(ValueError, match="eval_split"):
+        RecipeArguments(eval_split="validation")

@@ -79,7 +79,7 @@ def test_recipe_evaluates_under_the_lm_eval_protocol(tmp_path, monkeypatch, stud
     ("recipe", "baseline"), [("sft", "statelens"), ("grpo", "statelens"), ("opd", "statelens"), ("sft", "stock")]
 )
 def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student_path, teacher_path, recipe, baseline):
-    from trl_statelens.report import load_run, sample_efficiency_curve, write_report
+    from trl_statelens.report import compute_curve, load_run, sample_efficiency_curve, write_report
 
     out = tmp_path / f"{recipe}_{baseline}"
     argv = [*model_flags(recipe, student_path, teacher_path), "--output_dir", str(out), "--baseline", baseline]
@@ -115,6 +115,28 @@ def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student
     assert y.tolist() == [before, *(entry["eval/gsm8k/accuracy_strict"] for entry in scored), after]
     write_report([out], tmp_path / "report")
     assert (tmp_path / "report" / "sample_efficiency.png").stat().st_size > 0
+    assert (tmp_path / "report" / "compute.png").stat().st_size > 0
+
+    # compute: parameters that multiply (an untied input embedding is a lookup) x the tokens TRL counted
+    compute = results["compute"]
+    n_student, n_teacher = matmul_parameters_of(student_path), matmul_parameters_of(teacher_path)
+    assert compute["student_parameters"] == n_student
+    per_token = {"sft": 6 * n_student, "grpo": 10 * n_student, "opd": 8 * n_student + 2 * n_teacher}[recipe]
+    assert compute["flops_per_token"] == per_token  # grpo: the lab config's beta 0.04 adds a reference forward
+    logged_tokens = {entry["step"]: entry["num_tokens"] for entry in log_history if "num_tokens" in entry}
+    assert compute["tokens"] == logged_tokens[5] and compute["flops"] == per_token * logged_tokens[5]
+    flops, scores = compute_curve(run)
+    assert flops.tolist() == [0.0, per_token * logged_tokens[2], per_token * logged_tokens[4], compute["flops"]]
+    assert scores.tolist() == y.tolist()
+
+
+def matmul_parameters_of(path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    return sum(p.numel() for p in model.parameters()) - (0 if tied else embedding.numel())
 
 
 def test_target_eval_flags_are_checked():

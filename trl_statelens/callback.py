@@ -24,7 +24,7 @@ DEFAULT_PROBE_MAX_NEW_TOKENS = 64
 
 
 class StateLoggingCallback(TrainerCallback):
-    """Logs which states a trainer supervises, keeps a ledger of them on disk, and measures probe drift.
+    r"""Logs which states a trainer supervises, keeps a ledger of them on disk, and measures probe drift.
 
     At the end of every optimizer step:
 
@@ -34,7 +34,16 @@ class StateLoggingCallback(TrainerCallback):
       when a teacher scored the tokens). The aggregates go into the trainer's metrics under the `statelens/` prefix,
       so they are logged (and reach `report_to` backends) with the trainer's own metrics;
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
-      against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`.
+      against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`;
+    - with a teacher in the trainer's process (`trainer.teacher_model`: [`OnPolicyDistillTrainer`], TRL's
+      `DistillationTrainer`), the same probe step also measures where the student still disagrees with it, whatever
+      the training signal: the exact per-token reverse KL $\mathrm{KL}(p_S \| p_T)$ over the whole vocabulary at
+      every completion position, averaged over the probe completion tokens, as `statelens/drift/teacher_kl` on the
+      student's current samples (its own states now), `teacher_kl_fixed` on the step-0 samples (fixed states:
+      a fall there is agreement, not a change of states), `teacher_kl_number` / `teacher_kl_other` on tokens whose
+      text holds a digit / the rest, with `number_frac` (the share of number tokens) and `probe_tokens` (mean
+      completion tokens per probe; rollouts getting shorter lower a summed KL without any agreement). `drift.jsonl`
+      adds `teacher_kl_by_prefix`: `[tokens, mean KL]` per prefix-length bin (the bins of `prefix_len_hist`).
 
     Attached to a stock TRL trainer (`SFTTrainer`, `GRPOTrainer`, `DistillationTrainer`, ...) it runs probe drift only
     and says so once in the log.
@@ -114,7 +123,8 @@ class StateLoggingCallback(TrainerCallback):
             self._prepare_ledger(resumed_at=state.global_step)
         if self.probe_prompts is not None:
             self._check_probe_lengths()
-            self._reference_features = PrefixFeatures(self._reference_completions(state))
+            self._reference_texts = self._reference_completions(state)
+            self._reference_features = PrefixFeatures(self._reference_texts)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.records_states:
@@ -127,11 +137,20 @@ class StateLoggingCallback(TrainerCallback):
                 self._append("steps.jsonl", [line])
                 self._append("states.jsonl", records.samples)
         if self.probe_prompts is not None and state.global_step % self.probe_steps == 0:
-            states = PrefixFeatures(self._sample_probes())
+            completions = self._sample_probes()
+            states = PrefixFeatures(completions)
             drift = probe_drift(self._reference_features, states)
+            by_prefix = None
+            if self._has_teacher():
+                own, by_prefix = self._teacher_disagreement(completions)
+                fixed, _ = self._teacher_disagreement(self._reference_texts)
+                drift.update({**own, "teacher_kl_fixed": fixed["teacher_kl"]})
             self._log_metrics({f"drift/{name}": value for name, value in drift.items()})
             if state.is_world_process_zero:
-                self._append("drift.jsonl", [{"step": state.global_step, **drift, "num_states": states.num_states}])
+                line = {"step": state.global_step, **drift, "num_states": states.num_states}
+                if by_prefix is not None:
+                    line["teacher_kl_by_prefix"] = by_prefix
+                self._append("drift.jsonl", [line])
 
     # ----- logging and ledger ----------------------------------------------------------------------------------
     def _log_metrics(self, metrics: dict[str, float]) -> None:
@@ -239,6 +258,81 @@ class StateLoggingCallback(TrainerCallback):
             output = model.generate(**inputs, generation_config=self._probe_generation_config(model))
             model.train(was_training)
         return tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
+
+    # ----- teacher disagreement on probe states ----------------------------------------------------------------
+    def _has_teacher(self) -> bool:
+        return getattr(self.trainer, "teacher_model", None) is not None
+
+    @torch.no_grad()
+    def _teacher_disagreement(self, completions: list[str]) -> tuple[dict[str, float], list[list[float]]]:
+        """Exact reverse KL of the student from the teacher at every token of the probe completions (each probe
+        prompt followed by its completion), overall, by token kind and by prefix-length bin.
+
+        Every rank scores the same rows (ZeRO-3 forwards are collective); four rows at a time bound the
+        `(rows, length, vocabulary)` logits.
+        """
+        trainer = self.trainer
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        prompts = [
+            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in self.probe_prompts
+        ]
+        temperature = getattr(trainer, "temperature", 1.0) or 1.0
+        digit = self._number_token_table(tokenizer)
+        device = trainer.accelerator.device
+        student, teacher = trainer.model, trainer.teacher_model
+        student_was_training = student.training
+        student.eval()
+        kls, numbers, prefix = [], [], []
+        try:
+            for start in range(0, len(prompts), 4):
+                rows = []
+                for prompt, completion in zip(prompts[start : start + 4], completions[start : start + 4]):
+                    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+                    rows.append((prompt_ids, completion_ids))
+                width = max(len(p) + len(c) for p, c in rows)
+                input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)
+                attention_mask = torch.zeros_like(input_ids)
+                for i, (p, c) in enumerate(rows):
+                    input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+                    attention_mask[i, : len(p) + len(c)] = 1
+                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+                student_logits = student(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+                teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+                vocab = min(student_logits.size(-1), teacher_logits.size(-1), len(digit))  # padded heads: real ids
+                student_logp = torch.log_softmax(student_logits[..., :vocab] / temperature, dim=-1)
+                teacher_logp = torch.log_softmax(teacher_logits[..., :vocab] / temperature, dim=-1)
+                kl = (student_logp.exp() * (student_logp - teacher_logp)).sum(-1).cpu()
+                for i, (p, c) in enumerate(rows):
+                    # the token at position len(p) + k is predicted from position len(p) + k - 1
+                    kls.append(kl[i, len(p) - 1 : len(p) + len(c) - 1])
+                    numbers.append(digit[torch.tensor(c, dtype=torch.long)])
+                    prefix.append(torch.arange(len(c)))
+        finally:
+            student.train(student_was_training)
+        kl, number, prefix_len = torch.cat(kls).double(), torch.cat(numbers), torch.cat(prefix)
+        tokens = max(kl.numel(), 1)
+        metrics = {
+            "teacher_kl": kl.sum().item() / tokens,
+            "teacher_kl_number": kl[number].mean().item() if number.any() else float("nan"),
+            "teacher_kl_other": kl[~number].mean().item() if (~number).any() else float("nan"),
+            "number_frac": number.double().sum().item() / tokens,
+            "probe_tokens": kl.numel() / len(prompts),
+        }
+        bins = torch.log2(prefix_len.double() + 1).floor().long()
+        by_prefix = [
+            [int((bins == b).sum()), kl[bins == b].mean().item() if (bins == b).any() else None]
+            for b in range(int(bins.max()) + 1 if bins.numel() else 0)
+        ]
+        return metrics, by_prefix
+
+    def _number_token_table(self, tokenizer) -> torch.Tensor:
+        """`table[id]`: whether token `id`'s text holds a digit (built once per run)."""
+        if getattr(self, "_number_tokens", None) is None:
+            pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+            self._number_tokens = torch.tensor([any(ch.isdigit() for ch in str(p)) for p in pieces])
+        return self._number_tokens
 
 
 def check_no_ledger(output_dir) -> None:

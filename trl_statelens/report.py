@@ -597,6 +597,108 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
     return save(figure, out_dir, "teacher_kl.png")
 
 
+def target_scores_during(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(step, `eval/gsm8k/<metric>`) from the log history, step 0 from the `before` evaluation when it has it."""
+    key = f"eval/{TARGET_TASK}/{metric}"
+    points = [
+        (float(e["step"]), float(e[key]))
+        for e in run.log_history or []
+        if isinstance(e, dict) and "step" in e and isinstance(e.get(key), (int, float))
+    ]
+    before = (run.results or {}).get("before") or {}
+    start = ((before.get("metrics") or {}).get(TARGET_TASK) or {}).get(metric)
+    if isinstance(start, (int, float)) and points:
+        points.insert(0, (0.0, float(start)))
+    return tuple(np.array(points, dtype=float).T) if points else None
+
+
+def compute_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
+    """(training FLOPs so far, target score) at each target evaluation, from `results.json`'s `compute` counts, the
+    logged `num_tokens` and the ledger's `supervised_tokens`; the `before` score at 0 and the `after` score at the
+    run's total."""
+    compute = (run.results or {}).get("compute")
+    curve = target_scores_during(run, target_eval_key(run).rsplit("/", 1)[-1])
+    if not isinstance(compute, dict) or curve is None:
+        return None
+    logged = [(e["step"], e["num_tokens"]) for e in run.log_history or [] if isinstance(e, dict) and "num_tokens" in e]
+    if not logged:
+        return None
+    token_steps, tokens = np.array(logged, dtype=float).T
+    supervised = column(run.steps, "supervised_tokens")
+    supervised_so_far = np.cumsum(np.nan_to_num(supervised)) if supervised is not None else None
+
+    def flops_at(step: float) -> float:
+        if step <= 0:
+            return 0.0
+        # tokens are logged every `logging_steps`: interpolate linearly between logged steps
+        flops = compute["flops_per_token"] * float(np.interp(step, np.r_[0.0, token_steps], np.r_[0.0, tokens]))
+        if compute.get("flops_per_supervised_token") and supervised_so_far is not None:
+            index = np.searchsorted(run.steps["step"].to_numpy(), step, side="right") - 1
+            flops += compute["flops_per_supervised_token"] * (supervised_so_far[index] if index >= 0 else 0.0)
+        return flops
+
+    steps, scores = curve
+    x = np.array([flops_at(step) for step in steps])
+    after = (run.evaluation("after") or {}).get(TARGET_TASK)
+    if after is not None and compute.get("flops"):
+        x, scores = np.r_[x, compute["flops"]], np.r_[scores, after]
+    return x, scores
+
+
+def plot_compute(runs, styles, out_dir) -> Path | None:
+    curves = {run.label: c for run in runs if (c := compute_curve(run)) is not None}
+    if not curves:
+        return None
+    figure, (ax,) = new_figure()
+    for label, (flops, scores) in curves.items():
+        style = styles[label]
+        ax.plot(flops, scores, color=style["color"], label=label, linewidth=style["width"],
+                marker=style["marker"], markersize=2.5 * style["width"])  # fmt: skip
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    ax.set_xlabel("training FLOPs so far (student and teacher, generation included)")
+    ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
+    ax.set_title("Target score vs training compute (up and left is better)")
+    ax.margins(y=0.1)
+    finish_legend(ax)
+    return save(figure, out_dir, "compute.png")
+
+
+def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
+    """Where the student still disagrees with its teacher, measured the same way for every trainer on the probe
+    states (exact reverse KL), next to the target score greedy and sampled."""
+    with_kl = [run for run in runs if column(run.drift, "teacher_kl") is not None]
+    if not with_kl:
+        return None
+    figure, (states_ax, kind_ax, length_ax, score_ax) = new_figure((7.0, 10.0), rows=4)
+    for run in with_kl:
+        style, steps = styles[run.label], run.drift["step"].to_numpy(dtype=float)
+        for ax, solid, dashed in (
+            (states_ax, "teacher_kl", "teacher_kl_fixed"),
+            (kind_ax, "teacher_kl_number", "teacher_kl_other"),
+        ):
+            if column(run.drift, solid) is not None:
+                plot_curve(ax, steps, column(run.drift, solid), style, run.label, smooth=False)
+            if column(run.drift, dashed) is not None:
+                ax.plot(steps, column(run.drift, dashed), color=style["color"], linestyle="--", linewidth=1.0)
+        plot_curve(length_ax, steps, column(run.drift, "probe_tokens"), style, run.label, smooth=False)
+        for metric, line in ((TARGET_METRIC, "-"), ("accuracy_sampled", "--")):
+            curve = target_scores_during(run, metric)
+            if curve is not None:
+                score_ax.plot(*curve, color=style["color"], linestyle=line, marker=style["marker"], markersize=3,
+                              label=run.label if line == "-" else None)  # fmt: skip
+    states_ax.set_title("Reverse KL to the teacher on probe states: own samples (solid), step-0 samples (dashed)")
+    kind_ax.set_title("... by token: number tokens (solid), the rest (dashed)")
+    length_ax.set_title("Probe completion length (tokens)")
+    score_ax.set_title("Target during training: greedy (solid), temperature-1 samples (dashed)")
+    for ax in (states_ax, kind_ax):
+        ax.set_ylabel("nats per token")
+    score_ax.set_ylabel("accuracy")
+    score_ax.set_xlabel("optimizer step")
+    finish_legend(states_ax)
+    finish_legend(score_ax)
+    return save(figure, out_dir, "teacher_disagreement.png")
+
+
 def plot_sample_efficiency(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
     curves = {run.label: c for run in runs if (c := sample_efficiency_curve(run, base_scores)) is not None}
     if not curves:
@@ -662,6 +764,16 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "Teacher KL over steps",
             lambda: plot_teacher_kl(runs, styles, out_dir),
             "no run logged `teacher_kl` (only on-policy distillation runs do)",
+        ),
+        (
+            "Target score vs training compute",
+            lambda: plot_compute(runs, styles, out_dir),
+            "no run has `compute` in results.json and target scores during training (--target_eval_steps N)",
+        ),
+        (
+            "Where the student disagrees with its teacher",
+            lambda: plot_teacher_disagreement(runs, styles, out_dir),
+            "no run has teacher_kl in `statelens/drift.jsonl` (a teacher in the trainer's process and probes)",
         ),
         (
             "Target score vs supervised tokens",

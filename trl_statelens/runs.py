@@ -48,6 +48,12 @@ class RecipeArguments:
         eval_tasks: comma-separated tasks to score before and after training (`gsm8k,truthfulqa,mmlu`); empty for none.
         eval_limit: items per task (a seeded subset): a number for every task, `"gsm8k=500,mmlu=500,truthfulqa=200"`,
             or `"study"` (those sizes, which fit the study's numbers); all items when unset.
+        eval_split: the target task's evaluation split, `"test"` or `"dev"` (the lab's 100 held-out dev problems; a
+            local folder's `dev.jsonl`): before, during and after training, and the probe prompts. Choose settings on
+            `"dev"`, report `"test"`.
+        eval_samples: also score the target task on this many temperature-1 samples per problem
+            (`eval/gsm8k/accuracy_sampled`: how often the policy that on-policy trainers sample gets the answer,
+            beside greedy accuracy); 0 for greedy only.
         eval_max_new_tokens: GSM8K generation budget; an answer not finished by then scores 0.
         eval_batch_size: prompts per `generate` call (GSM8K) and questions per batch (multiple choice) in the recipe's
             evaluations; a tiny model on a CPU evaluates several times faster with a large one.
@@ -75,6 +81,8 @@ class RecipeArguments:
     eval_data: str = LAB
     eval_tasks: str = "gsm8k,truthfulqa,mmlu"
     eval_limit: str | None = None
+    eval_split: str = "test"
+    eval_samples: int = 0
     eval_max_new_tokens: int = 256
     eval_batch_size: int = 16
     eval_before: bool = True
@@ -92,6 +100,12 @@ class RecipeArguments:
             raise ValueError(f"--baseline must be 'statelens' or 'stock', got {self.baseline!r}")
         if self.eval_protocol not in ("statelens", "lm-eval"):
             raise ValueError(f"--eval_protocol must be 'statelens' or 'lm-eval', got {self.eval_protocol!r}")
+        if self.eval_split not in ("test", "dev"):
+            raise ValueError(f"--eval_split must be 'test' or 'dev', got {self.eval_split!r}")
+        if self.eval_samples < 0:
+            raise ValueError(
+                f"--eval_samples is a number of samples per problem (0 for none), got {self.eval_samples}"
+            )
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval_batch_size must be a positive number of items, got {self.eval_batch_size}")
         if self.target_eval_steps < 0:
@@ -134,7 +148,7 @@ def probe_prompts(args: RecipeArguments) -> list | None:
     if args.num_probes <= 0:
         return None
     return load_gsm8k(
-        args.dataset_name, "test", prompt_format=args.prompt_format, limit=args.num_probes, seed=0,
+        args.dataset_name, args.eval_split, prompt_format=args.prompt_format, limit=args.num_probes, seed=0,
         lab_seed=args.lab_seed,
     )["prompt"]  # fmt: skip
 
@@ -164,7 +178,9 @@ def without_zero3_init():
 
 def evaluation_settings(args: RecipeArguments, seed: int) -> dict:
     """What every evaluation of a run shares (before, during and after training), so their scores compare."""
-    gsm8k_kwargs = {"max_new_tokens": args.eval_max_new_tokens}
+    gsm8k_kwargs = {"max_new_tokens": args.eval_max_new_tokens, "split": args.eval_split}
+    if args.eval_samples:
+        gsm8k_kwargs["num_samples"] = args.eval_samples
     if args.eval_protocol == "statelens":  # lm-eval fixes the prompt itself
         gsm8k_kwargs["prompt_format"] = args.prompt_format
     return {
@@ -263,6 +279,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
         "train_seconds": round(train_seconds, 1),
         "global_steps": trainer.state.global_step,
         "distributed": what_ran(trainer),
+        "compute": compute_counts(trainer),
         "recipe_arguments": dataclasses.asdict(args),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -270,6 +287,58 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     print_summary(results, trainer.state.log_history, out)
     trainer.end()
     return results
+
+
+def matmul_parameters(model) -> int:
+    """Parameters a token's forward pass multiplies by: all of them but an untied input embedding (a lookup)."""
+    if model is None:
+        return 0
+    model = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    sizes = {id(p): getattr(p, "ds_numel", p.numel()) for p in model.parameters()}  # ZeRO-3: the full size
+    if head is not None and embedding.weight is not head.weight:
+        sizes.pop(id(embedding.weight), None)
+    return sum(sizes.values())
+
+
+def compute_counts(trainer) -> dict:
+    """Training compute counted from model sizes and tokens, 2 FLOPs per parameter per token for a forward pass and 6
+    for a forward and backward (attention's length-squared term left out: lab sequences are short).
+
+    `flops_per_token` multiplies the tokens the trainer logs as `num_tokens` (SFT: the tokens trained on; GRPO and
+    distillation: the rollouts' prompt and completion tokens, all ranks), `flops_per_supervised_token` the ledger's
+    `supervised_tokens`; the report draws compute so far at each step from both. Per rollout token: the student
+    samples it (2 N_S), is trained on it (6 N_S) and, in GRPO with `beta` > 0, the reference scores it (2 N_S); a
+    teacher scores it (2 N_T). The `continuation` signal is counted as if the whole rollout stayed (an upper bound:
+    the cut drops part of it): the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout
+    token and per supervised token), scores them (the same again) and the student trains on them (6 N_S).
+    """
+    student = matmul_parameters(trainer.model)
+    teacher = matmul_parameters(getattr(trainer, "teacher_model", None))
+    args = trainer.args
+    per_token, per_supervised = 6 * student, 0
+    if hasattr(args, "num_generations") or hasattr(trainer, "teacher_model"):  # the learner samples its rollouts
+        per_token += 2 * student + 2 * teacher
+        if getattr(args, "beta", 0.0) and getattr(trainer, "ref_model", None) is not None:
+            per_token += 2 * student
+        if getattr(args, "signal", None) == "continuation":
+            per_token += 2 * teacher
+            per_supervised = 4 * teacher + 6 * student
+    tokens = float(trainer.state.num_input_tokens_seen or 0)
+    if not tokens:
+        tokens = float(next((e["num_tokens"] for e in reversed(trainer.state.log_history) if "num_tokens" in e), 0))
+    steps = Path(args.output_dir) / "statelens" / "steps.jsonl"
+    supervised = sum(json.loads(line)["supervised_tokens"] for line in steps.read_text().splitlines()) if (
+        per_supervised and steps.exists()
+    ) else 0.0  # fmt: skip
+    return {
+        "student_parameters": student,
+        "teacher_parameters": teacher,
+        "flops_per_token": per_token,
+        "flops_per_supervised_token": per_supervised,
+        "tokens": tokens,
+        "flops": per_token * tokens + per_supervised * supervised,
+    }
 
 
 def what_ran(trainer) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from ..answers import (
     EXTRACTION_MODES,
     LM_EVAL_INVALID,
@@ -14,7 +16,7 @@ from ..answers import (
 )
 from ..data import GSM8K_HUB_ID, PROMPT_FORMATS, gsm8k_example, pick_shots, read_gsm8k_rows, shots_for
 from .protocols import SUBSET_RULES, check_protocol
-from .scoring import greedy_generate, mean, subset_rows
+from .scoring import greedy_generate, mean, model_device, subset_rows
 
 LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's simple_evaluate default fewshot_random_seed
 GSM8K_PROTOCOLS = {
@@ -65,6 +67,11 @@ class GSM8KTask:
         stop_strings: generation stops at these (a base model goes on to invent the next question), and at eos;
             ``()`` for eos only.
         lab_seed: seed of the lab world when ``source="lab"``.
+        num_samples: also sample this many completions per problem at ``sample_temperature`` and report
+            ``accuracy_sampled`` (strict answers, mean over every sample): how often the policy the learner trains on
+            gets the answer, next to what greedy decoding gets. Sampling is seeded with ``seed`` on a forked RNG, so
+            the same model gives the same score. 0 (default) samples nothing.
+        sample_temperature: temperature of those samples (1.0: the policy itself, as on-policy trainers sample it).
     """
 
     name = "gsm8k"
@@ -84,7 +91,15 @@ class GSM8KTask:
         batch_size: int = 16,
         stop_strings: tuple[str, ...] | None = None,
         lab_seed: int = 0,
+        num_samples: int = 0,
+        sample_temperature: float = 1.0,
     ):
+        if num_samples < 0:
+            raise ValueError(f"num_samples is a number of completions per problem (0 for none), got {num_samples}")
+        if sample_temperature <= 0:
+            raise ValueError(
+                f"sample_temperature must be positive (greedy is the main score), got {sample_temperature}"
+            )
         defaults = GSM8K_PROTOCOLS[check_protocol(protocol)]
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"unknown prompt_format {prompt_format!r}: use one of {PROMPT_FORMATS}")
@@ -95,6 +110,7 @@ class GSM8KTask:
         self.stop_strings = tuple(defaults["stop_strings"] if stop_strings is None else stop_strings)
         self.prompt_format, self.max_new_tokens = prompt_format, max_new_tokens
         self.limit, self.seed, self.batch_size, self.lab_seed = limit, seed, batch_size, lab_seed
+        self.num_samples, self.sample_temperature = num_samples, sample_temperature
         self._examples = None
 
     def settings(self) -> dict:
@@ -113,6 +129,11 @@ class GSM8KTask:
             "limit": self.limit,
             "subset": SUBSET_RULES[self.protocol],
             "seed": self.seed,
+            **(
+                {"num_samples": self.num_samples, "sample_temperature": self.sample_temperature}
+                if self.num_samples
+                else {}
+            ),
         }
 
     def examples(self) -> list[dict]:
@@ -143,8 +164,11 @@ class GSM8KTask:
             for e in self.examples()
         ]
 
-    def generate(self, model, tokenizer, prompts: list[str], progress: bool = True) -> list[str]:
-        """Greedy completions of ``prompts``, cut at the first stop string and at eos."""
+    def generate(
+        self, model, tokenizer, prompts: list[str], progress: bool = True, sample_temperature: float | None = None
+    ) -> list[str]:
+        """Greedy (or, with ``sample_temperature``, sampled) completions of ``prompts``, cut at the first stop string
+        and at eos."""
         eos = getattr(tokenizer, "eos_token", None)
         return greedy_generate(
             model,
@@ -154,8 +178,9 @@ class GSM8KTask:
             stop_strings=self.stop_strings + ((eos,) if eos else ()),
             add_special_tokens=self.prompt_format == "plain",
             batch_size=self.batch_size,
-            desc="gsm8k: generating",
+            desc="gsm8k: generating" if sample_temperature is None else "gsm8k: sampling",
             progress=progress,
+            sample_temperature=sample_temperature,
         )
 
     def score(self, output: str, example: dict) -> dict:
@@ -181,4 +206,15 @@ class GSM8KTask:
         metrics = {f"accuracy_{mode}": mean([r[f"correct_{mode}"] for r in records]) for mode in EXTRACTION_MODES}
         metrics["answer_found"] = mean([r.pop("answer_found") for r in records])
         metrics["num_items"] = len(records)
+        if self.num_samples:
+            metrics["accuracy_sampled"] = self._sampled_accuracy(model, tokenizer, examples, progress)
         return {"metrics": metrics, "records": records}
+
+    def _sampled_accuracy(self, model, tokenizer, examples: list[dict], progress: bool) -> float:
+        prompts = [p for p in self.prompt_texts(tokenizer) for _ in range(self.num_samples)]
+        devices = [model_device(model)] if model_device(model).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the caller's (training) randomness does not move
+            torch.manual_seed(self.seed)
+            outputs = self.generate(model, tokenizer, prompts, progress, sample_temperature=self.sample_temperature)
+        repeated = [e for e in examples for _ in range(self.num_samples)]
+        return mean([self.score(output, e)["correct_strict"] for output, e in zip(outputs, repeated)])

@@ -146,9 +146,13 @@ def greedy_generate(
     batch_size: int = 16,
     desc: str = "generating",
     progress: bool = True,
+    sample_temperature: float | None = None,
 ) -> list[str]:
     """Greedy completions of ``prompts`` (left-padded batches, each prompt cut to its last ``window -
-    max_new_tokens`` tokens), decoded without special tokens and cut at the first of each stop string in turn."""
+    max_new_tokens`` tokens), decoded without special tokens and cut at the first of each stop string in turn.
+
+    With ``sample_temperature`` the completions are sampled at that temperature instead (plain softmax sampling: no
+    top-p/top-k), from the global torch RNG: seed it, and fork it if the caller's randomness must not move."""
     if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batched generation needs a pad token; eos is the usual one
     keep = context_window(model, tokenizer) - max_new_tokens
@@ -168,8 +172,13 @@ def greedy_generate(
             add_special_tokens=add_special_tokens,
         )
         encoded = {key: value[:, -keep:].to(device) for key, value in encoded.items()}
+        decoding = (
+            {"do_sample": False}
+            if sample_temperature is None
+            else {"do_sample": True, "temperature": sample_temperature, "top_p": 1.0, "top_k": 0}
+        )
         generated = model.generate(
-            **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id(tokenizer), **stop
+            **encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id(tokenizer), **decoding, **stop
         )
         texts = tokenizer.batch_decode(generated[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
         outputs += [cut_at_stops(text, stop_strings) for text in texts]
