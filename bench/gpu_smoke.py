@@ -11,12 +11,19 @@ lab tokenizer (ids past its 1024 tokens decode to nothing). It runs, writing one
   median step time, completion tokens/s, peak GPU memory (`torch.cuda.max_memory_allocated`), forwards per step, and
   each arm's ratios to the stock one. Losses must be finite.
 
+- FSDP2: SFT, GRPO and OPD (with its teacher) one step each under `accelerate launch` with
+  `recipes/accelerate/fsdp2.yaml`, one process per GPU, each process recording what ran: the distributed type,
+  the FSDP version, whether every parameter of the trained model is a sharded DTensor, the steps, the losses and
+  the ledger. Not in `--tiny` runs: on a CPU accelerate runs DDP instead of FSDP (`--fsdp2-only --tiny` runs the
+  case anyway, and its `fsdp2_sharded` check fails, as it should).
+
 It exits with status 1 when a check fails (the JSON says which), after writing the file. `--tiny` runs the same on
 CPU at tiny sizes in float32, in seconds (tests/test_gpu_smoke.py runs it that way). On an H200 it should take a few
 minutes (an estimate; the budget is 8).
 
     python bench/gpu_smoke.py OUT.json [--steps 3]          # one CUDA GPU
     python bench/gpu_smoke.py OUT.json --tiny              # CPU, tiny models
+    python bench/gpu_smoke.py OUT.json --fsdp2-only        # only the FSDP2 case
 
 On the project's device machine (see the `device` tool's README): it has torch, accelerate and peft, but not trl,
 datasets or transformers 5.24. Carry them as wheels (about 20 MB), fetched here from the repository root for its
@@ -48,7 +55,9 @@ import json
 import math
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +67,8 @@ import torch
 from bench_opd import fixed_length_prompts
 from common import CPU_ARGS, StepMeter, backbone, count_parameters, peak_memory_mb, say, start_peak_memory
 from datasets import Dataset
+from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
 from transformers.trainer_callback import PrinterCallback
 from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
@@ -88,6 +99,8 @@ SIZES = {
     ),
 }
 OPD_ARMS = ("distill", "reverse_kl", "continuation", "divergence")
+FSDP2_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "fsdp2.yaml"
+FSDP2_KINDS = ("sft", "grpo", "opd")
 # Equal loss: exact up to float32 rounding on CPU; on a GPU, bf16 kernels may reorder sums between two processes' runs
 LOSS_RTOL = {"gpu": 1e-3, "tiny": 1e-6}
 
@@ -288,6 +301,141 @@ def run_opd(mode, paths, tokenizer, world, common, steps: int) -> dict:
     return arms
 
 
+def run_fsdp2(mode, model_dir: str) -> dict:
+    """The FSDP2 case: launch `fsdp2_worker` on one process per GPU (2 on CPU) and check what each rank wrote."""
+    processes = torch.cuda.device_count() if mode == "gpu" else 2
+    ranks_dir = Path(tempfile.mkdtemp(prefix="gpu-smoke-fsdp2-"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
+        "--num_processes", str(processes), "--main_process_port", str(port),
+        __file__, str(ranks_dir), "--fsdp2-worker", model_dir, *(["--tiny"] if mode == "tiny" else []),
+    ]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's trl_statelens, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    ranks = [json.loads(path.read_text()) for path in sorted(ranks_dir.glob("rank*.json"))]
+    checks = {"fsdp2_exit_ok": done.returncode == 0, **fsdp2_checks(ranks, processes)}
+    say(f"fsdp2: {checks} ({time.perf_counter() - start:.0f}s)")
+    return {
+        "processes": processes,
+        "returncode": done.returncode,
+        "stderr_tail": done.stderr[-3000:] if done.returncode else "",
+        "ranks": ranks,
+        "checks": checks,
+    }
+
+
+def fsdp2_checks(ranks: list[dict], processes: int) -> dict:
+    """Every rank wrote its record; each trainer ran under FSDP2 with every parameter a sharded DTensor (a silent
+    DDP or one-process fallback fails here); one step with finite losses; the main process wrote the ledger."""
+    runs = [rank[kind] for rank in ranks for kind in FSDP2_KINDS]
+    return {
+        "fsdp2_all_ranks": len(ranks) == processes
+        and [rank["process_index"] for rank in ranks] == [*range(processes)],
+        "fsdp2_sharded": bool(runs)
+        and all(
+            (run["distributed_type"], run["fsdp_version"], run["num_processes"]) == ("FSDP", 2, processes)
+            and run["dtensor_parameters"] == run["parameters"] > 0
+            for run in runs
+        ),
+        "fsdp2_trained": bool(runs)
+        and all(run["global_step"] == 1 and run["losses"] and all(map(math.isfinite, run["losses"])) for run in runs),
+        "fsdp2_ledger": bool(ranks) and all(ranks[0][kind]["ledger_steps"] == [1] for kind in FSDP2_KINDS),
+    }
+
+
+def fsdp2_worker(ranks_dir: Path, model_dir: str, mode: str) -> None:
+    """One process of the FSDP2 case: SFT, GRPO and OPD one step each; writes `rank<i>.json` with what ran."""
+    size = SIZES[mode]
+    paths = {name: f"{model_dir}/{name}" for name in ("student", "teacher")}
+    tokenizer = AutoTokenizer.from_pretrained(paths["student"])
+    rows = LabWorld(seed=0).math("train", n=32, seed=5)
+    sft_data = Dataset.from_list(
+        [{"prompt": format_plain(r["question"]), "completion": " " + r["answer"]} for r in rows]
+    )
+    prompts = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in rows])
+    # FSDP shards activations' checkpointing itself (fsdp_activation_checkpointing), not through the Trainer
+    common = {**common_args(mode), "gradient_checkpointing": False}
+    rollouts = dict(
+        max_steps=1,
+        per_device_train_batch_size=size["num_generations"],
+        num_generations=size["num_generations"],
+        max_completion_length=min(size["completion_tokens"], 16),
+    )
+    record = {}
+    for kind in FSDP2_KINDS:
+        output_dir = str(ranks_dir / kind)  # shared: the main process writes the ledger there
+        if kind == "sft":
+            args = SFTConfig(output_dir, max_steps=1, per_device_train_batch_size=4, max_length=128, **common)
+            trainer = StateLensSFTTrainer(
+                model=paths["student"], args=args, train_dataset=sft_data, processing_class=tokenizer
+            )
+        elif kind == "grpo":
+            trainer = StateLensGRPOTrainer(
+                model=paths["student"],
+                reward_funcs=id_reward,
+                args=GRPOConfig(output_dir, **rollouts, **common),
+                train_dataset=prompts,
+                processing_class=tokenizer,
+            )
+        else:
+            args = OnPolicyDistillConfig(
+                output_dir,
+                teacher_model_init_kwargs={"dtype": common["model_init_kwargs"]["dtype"]},
+                **rollouts,
+                **common,
+            )
+            trainer = OnPolicyDistillTrainer(
+                model=paths["student"],
+                teacher_model=paths["teacher"],
+                args=args,
+                train_dataset=prompts,
+                processing_class=tokenizer,
+            )
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+        accelerator = trainer.accelerator
+        parameters = list(trainer.model.parameters())
+        ledger = Path(output_dir) / "statelens" / "steps.jsonl"
+        record[kind] = {
+            "distributed_type": accelerator.distributed_type.value,
+            "fsdp_version": getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
+            "num_processes": accelerator.num_processes,
+            "model_class": type(trainer.model_wrapped).__name__,
+            "parameters": len(parameters),
+            "dtensor_parameters": sum(isinstance(p, DTensor) for p in parameters),
+            "global_step": trainer.state.global_step,
+            "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+            "ledger_steps": [json.loads(line)["step"] for line in ledger.read_text().splitlines()]
+            if accelerator.is_main_process
+            else None,
+        }
+        if kind == "opd":  # prepared as TRL's DistillationTrainer prepares its teacher
+            teacher = list(trainer.teacher_model.parameters())
+            record[kind]["teacher_class"] = type(trainer.teacher_model).__name__
+            record[kind]["teacher_dtensor_parameters"] = sum(isinstance(p, DTensor) for p in teacher)
+            record[kind]["teacher_device"] = str(teacher[0].device)
+        record["process_index"] = accelerator.process_index
+        say(f"fsdp2 rank {accelerator.process_index} {kind}: {record[kind]}")
+        release(trainer)
+    (ranks_dir / f"rank{record['process_index']}.json").write_text(json.dumps(record, indent=2))
+    if torch.distributed.is_initialized():  # before exit: a gloo thread alive at shutdown can abort the process
+        torch.distributed.destroy_process_group()
+
+
+def common_args(mode) -> dict:
+    """The CPU benchmarks' settings (no reporting, checkpoints or progress bars, seed 0); on a GPU, TRL's defaults of
+    bf16 and gradient checkpointing, what a GPU user gets."""
+    common = dict(CPU_ARGS, model_init_kwargs={"dtype": "bfloat16" if mode == "gpu" else "float32"})
+    if mode == "gpu":
+        common.update(use_cpu=False, bf16=True, gradient_checkpointing=True)
+    return common
+
+
 def build_models(mode, tokenizer, model_dir: str) -> dict:
     size, dtype = SIZES[mode], torch.bfloat16 if mode == "gpu" else torch.float32
     paths, setup = {}, {}
@@ -309,8 +457,13 @@ def main(argv=None) -> dict:
     parser.add_argument("out", type=Path, help="where to write the JSON results")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 models on CPU (a quick end-to-end check)")
     parser.add_argument("--steps", type=int, default=None, help="measured OPD steps after one warm-up (3; 1 tiny)")
+    parser.add_argument("--fsdp2-only", action="store_true", help="run the FSDP2 case only")
+    parser.add_argument("--fsdp2-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)  # one launched process
     options = parser.parse_args(argv)
     mode = "tiny" if options.tiny else "gpu"
+    if options.fsdp2_worker:
+        fsdp2_worker(options.out, options.fsdp2_worker, mode)
+        return {"ok": True}
     if mode == "gpu" and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible: this check needs one (or pass --tiny for the CPU version)")
     steps = options.steps or (1 if options.tiny else 3)
@@ -318,27 +471,25 @@ def main(argv=None) -> dict:
     if mode == "gpu":
         torch.set_num_threads(os.cpu_count())  # bench/common.py pins one thread for its CPU benchmarks
 
-    # The CPU benchmarks' settings (no reporting, checkpoints or progress bars, seed 0); on a GPU, TRL's defaults of
-    # bf16 and gradient checkpointing, what a GPU user gets
-    common = dict(CPU_ARGS, model_init_kwargs={"dtype": "bfloat16" if mode == "gpu" else "float32"})
-    if mode == "gpu":
-        common.update(use_cpu=False, bf16=True, gradient_checkpointing=True)
-
+    common = common_args(mode)
     world = LabWorld(seed=0)
     tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
-    paths, setup = build_models(mode, tokenizer, tempfile.mkdtemp(prefix="gpu-smoke-models-"))
+    model_dir = tempfile.mkdtemp(prefix="gpu-smoke-models-")
+    paths, setup = build_models(mode, tokenizer, model_dir)
     say(f"models built: {setup}")
-    results = {"setup": setup}
-    results.update(run_sft_and_grpo(mode, paths, tokenizer, world, common))
-    results["opd"] = run_opd(mode, paths, tokenizer, world, common, steps)
-
-    checks = {}
-    for kind in ("sft", "grpo"):
-        checks[f"{kind}_equal_loss"] = results[kind]["equal_loss"]
-        checks[f"{kind}_no_extra_forwards"] = all(extra == 0 for extra in results[kind]["extra_forwards_per_step"])
-    checks["opd_finite_losses"] = all(
-        math.isfinite(log["loss"]) for arm in OPD_ARMS for log in results["opd"][arm]["logs"]
-    )
+    results, checks = {"setup": setup}, {}
+    if not options.fsdp2_only:
+        results.update(run_sft_and_grpo(mode, paths, tokenizer, world, common))
+        results["opd"] = run_opd(mode, paths, tokenizer, world, common, steps)
+        for kind in ("sft", "grpo"):
+            checks[f"{kind}_equal_loss"] = results[kind]["equal_loss"]
+            checks[f"{kind}_no_extra_forwards"] = all(extra == 0 for extra in results[kind]["extra_forwards_per_step"])
+        checks["opd_finite_losses"] = all(
+            math.isfinite(log["loss"]) for arm in OPD_ARMS for log in results["opd"][arm]["logs"]
+        )
+    if mode == "gpu" or options.fsdp2_only:
+        results["fsdp2"] = run_fsdp2(mode, model_dir)
+        checks.update(results["fsdp2"]["checks"])
     setup.update(
         mode=mode,
         device=torch.cuda.get_device_name() if mode == "gpu" else platform.processor() or "cpu",

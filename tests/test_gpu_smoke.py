@@ -88,3 +88,65 @@ def test_without_a_gpu_it_asks_for_tiny(tmp_path, capsys):
         gpu_smoke.main([str(tmp_path / "out.json")])
     assert "--tiny" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_fsdp2_config_is_an_fsdp2_launch_config():
+    """recipes/accelerate/fsdp2.yaml, which the smoke check's FSDP2 case launches with: accelerate reads it as FSDP
+    version 2, and knows every `fsdp_config` key (it would set an unknown one silently and ignore it)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    assert gpu_smoke.FSDP2_CONFIG.name == "fsdp2.yaml" and gpu_smoke.FSDP2_CONFIG.is_file()
+    config = load_config_from_file(str(gpu_smoke.FSDP2_CONFIG))
+    assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+    assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # the recipes save a full model
+    known = vars(launch_command_parser().parse_args(["script.py"]))
+    assert set(config.fsdp_config) <= set(known)
+
+
+def fsdp2_run(distributed_type="FSDP", fsdp_version=2, dtensors=24, losses=(0.5,), ledger=(1,)):
+    return {"distributed_type": distributed_type, "fsdp_version": fsdp_version, "num_processes": 2,
+            "parameters": 24, "dtensor_parameters": dtensors, "global_step": 1, "losses": list(losses),
+            "ledger_steps": list(ledger)}  # fmt: skip
+
+
+def test_fsdp2_checks_pass_a_sharded_run_and_fail_fallbacks():
+    ranks = [{"process_index": i, **{kind: fsdp2_run() for kind in gpu_smoke.FSDP2_KINDS}} for i in range(2)]
+    assert all(gpu_smoke.fsdp2_checks(ranks, 2).values())
+    assert not gpu_smoke.fsdp2_checks(ranks[:1], 2)["fsdp2_all_ranks"]  # a rank wrote nothing
+    for fallback in (fsdp2_run("MULTI_CPU", None, 0), fsdp2_run(dtensors=23), fsdp2_run(fsdp_version=1)):
+        ranks[1]["grpo"] = fallback
+        assert not gpu_smoke.fsdp2_checks(ranks, 2)["fsdp2_sharded"]
+    ranks[1]["grpo"] = fsdp2_run(losses=(float("nan"),))
+    assert not gpu_smoke.fsdp2_checks(ranks, 2)["fsdp2_trained"]
+    ranks[0]["opd"] = fsdp2_run(ledger=())
+    assert not gpu_smoke.fsdp2_checks(ranks, 2)["fsdp2_ledger"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_case_runs_every_trainer_and_fails_on_the_cpu_fallback(tmp_path):
+    """The FSDP2 case as a GPU machine runs it, on 2 CPU processes: accelerate 1.15 selects no FSDP on a CPU (DDP over
+    gloo instead), so every trainer runs a step and writes its ledger, and `fsdp2_sharded` says it was not FSDP2."""
+    out = tmp_path / "fsdp2.json"
+    results = gpu_smoke.main([str(out), "--tiny", "--fsdp2-only"])
+    fsdp2 = results["fsdp2"]
+    assert fsdp2["returncode"] == 0, fsdp2["stderr_tail"]
+    assert results["checks"] == {
+        "fsdp2_exit_ok": True,
+        "fsdp2_all_ranks": True,
+        "fsdp2_sharded": False,
+        "fsdp2_trained": True,
+        "fsdp2_ledger": True,
+    }
+    assert results["ok"] is False and json.loads(out.read_text())["checks"] == results["checks"]
+    for rank in fsdp2["ranks"]:
+        for kind in gpu_smoke.FSDP2_KINDS:
+            run = rank[kind]
+            assert (run["distributed_type"], run["fsdp_version"], run["model_class"]) == (
+                "MULTI_CPU", None, "DistributedDataParallel"
+            )  # fmt: skip
+            assert run["num_processes"] == 2 and run["dtensor_parameters"] == 0 < run["parameters"]
+            assert run["global_step"] == 1 and all(map(math.isfinite, run["losses"]))
+        assert rank["opd"]["teacher_class"] == "Qwen3ForCausalLM"
+    assert [rank["opd"]["ledger_steps"] for rank in fsdp2["ranks"]] == [[1], None]  # the main process writes it

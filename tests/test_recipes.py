@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from trl import DistillationConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
 
@@ -313,3 +314,50 @@ def test_study_configs_chain_lora_sft_into_both_opd_arms(tmp_path, monkeypatch, 
         results = run_in_process("opd", argv, monkeypatch)
         assert results["global_steps"] == 1 and results["teacher"] == str(sft_out)
         assert results["trainer"] == ("DistillationTrainer" if baseline == "stock" else "OnPolicyDistillTrainer")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("config", "baseline"), [("opd_from_mild_sft", "statelens"), ("opd_from_stress_sft", "stock")]
+)
+def test_lora_sft_teacher_under_zero3(tmp_path, monkeypatch, student_path, config, baseline):
+    """The README's multi-GPU line: a LoRA SFT run's adapter folder as the OPD teacher of 2 ZeRO-3 processes. The
+    adapter is merged into whole weights, then partitioned: gathered, they equal a one-process merge of the folder."""
+    from safetensors.torch import load_file
+
+    from trl_statelens.opd_trainer import load_teacher
+
+    sft_out = tmp_path / "mild_sft"
+    run_in_process("sft", ["--config", str(STUDY / "mild_sft.yaml"), "--model_name_or_path", str(student_path),
+                           "--output_dir", str(sft_out), "--per_device_train_batch_size", "4", "--max_length", "96",
+                           *ON_CPU_TINY], monkeypatch)  # fmt: skip
+    out = tmp_path / config
+    command = [
+        str(Path(sys.executable).parent / "accelerate"), "launch",
+        "--config_file", str(RECIPES / "accelerate" / "zero3.yaml"), "--num_processes", "2",
+        "--main_process_port", str(free_port()), str(ROOT / "tests" / "scripts" / "opd_recipe_teacher_weights.py"),
+        str(tmp_path), "--config", str(STUDY / f"{config}.yaml"), "--model_name_or_path", str(student_path),
+        "--teacher_model_name_or_path", str(sft_out), "--output_dir", str(out), "--baseline", baseline,
+        "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4",
+        "--continuation_length", "2", *ON_CPU_TINY,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["global_steps"] == 1 and results["teacher"] == str(sft_out)
+    assert results["trainer"] == ("DistillationTrainer" if baseline == "stock" else "OnPolicyDistillTrainer")
+    assert (results["distributed"]["zero_stage"], results["distributed"]["teacher_engine"]) == (3, "DeepSpeedEngine")
+
+    merged = load_teacher(str(sft_out), OnPolicyDistillConfig(str(tmp_path / "one_process"), use_cpu=True))
+    expected = {name: p.detach() for name, p in merged.named_parameters()}
+    base = load_file(student_path / "model.safetensors")
+    assert not torch.equal(expected["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip  # the adapter changed it
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"teacher_rank{rank}.pt", weights_only=True)
+        assert saved["engine"] == "DeepSpeedEngine" and any(saved["partitioned"])  # ZeRO-3 shards, gathered
+        assert saved["weights"].keys() == expected.keys()
+        for name, weight in expected.items():
+            assert torch.equal(saved["weights"][name], weight), name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -685,8 +686,30 @@ def load_teacher(name_or_path: str, args) -> PreTrainedModel:
     adapter = PeftConfig.from_pretrained(name_or_path, revision=revision)
     if adapter.revision is not None:
         kwargs["revision"] = adapter.revision
-    base = create_model_from_path(adapter.base_model_name_or_path, **kwargs)
-    return PeftModel.from_pretrained(base, name_or_path, revision=revision).merge_and_unload()
+    # Under ZeRO-3, from_pretrained would partition the base as it loads, and PEFT would add the adapter's delta to
+    # the empty shards: load and merge a whole model on each process; preparing the teacher partitions it after.
+    with without_zero3_init():
+        base = create_model_from_path(adapter.base_model_name_or_path, **kwargs)
+        return PeftModel.from_pretrained(base, name_or_path, revision=revision).merge_and_unload()
+
+
+@contextmanager
+def without_zero3_init():
+    """Load whole models, not ZeRO-3 partitions, even inside a ZeRO-3 run.
+
+    Under ZeRO-3, `from_pretrained` partitions the weights across processes as it loads them (`zero.Init`, set up by
+    `TrainingArguments` whatever accelerate's `zero3_init_flag` says, so accelerate's
+    `zero3_init_context_manager(enable=False)` changes nothing then), a collective call: done by the main process
+    alone (evaluation) it would wait forever for the others, and a LoRA adapter cannot be merged into empty shards.
+    """
+    from transformers.integrations import deepspeed
+
+    saved = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import re
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from transformers import AutoTokenizer
 from .callback import StateLoggingCallback, check_no_ledger
 from .data import load_gsm8k
 from .evaluation import RETENTION_TASKS, RetentionEvalCallback, evaluate_model, parse_limit, retention_summary
+from .opd_trainer import without_zero3_init
 from .real_models import SMOLLM2, build_smollm2
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
@@ -157,23 +157,6 @@ def state_logging_callback(args: RecipeArguments, trainer=None) -> StateLoggingC
     return StateLoggingCallback(
         trainer, probe_prompts=probe_prompts(args), probe_steps=args.probe_steps, sample_rate=args.ledger_sample_rate
     )
-
-
-@contextmanager
-def without_zero3_init():
-    """Load a whole model in one process even inside a ZeRO-3 run.
-
-    Under ZeRO-3, `from_pretrained` partitions the weights across processes as it loads them, a collective call:
-    done by the main process alone (evaluation), it would wait forever for the others.
-    """
-    from transformers.integrations import deepspeed
-
-    saved = deepspeed._hf_deepspeed_config_weak_ref
-    deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def evaluation_settings(args: RecipeArguments, seed: int) -> dict:
