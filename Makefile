@@ -13,8 +13,8 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-# What the recipes and the lab need: torch and the package. `make demo` stops here, which keeps a first demo
-# on a fresh clone about a minute and a half shorter.
+# What the recipes and the lab need: torch and the package, with matplotlib for the run's report plots. `make demo`
+# stops here, which keeps a first demo on a fresh clone about a minute and a half shorter.
 $(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -26,7 +26,7 @@ $(CORE): pyproject.toml
 		echo "no CUDA: installing torch==2.13.0 (CPU build)"; \
 		$(BIN)/pip install --quiet torch==2.13.0; \
 	fi
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e ".[plots]"
 	touch $(CORE)
 
 # On top, what the tests and benchmarks need: the dev extras (pytest, ruff, peft, deepspeed, matplotlib).

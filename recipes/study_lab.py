@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trl_statelens.evaluation import retention_summary
+from trl_statelens.evaluation import item_scores, paired_interval, retention_summary
 from trl_statelens.report import write_report
 
 RECIPES = Path(__file__).resolve().parent
@@ -170,25 +170,19 @@ def summarize(out: Path, seeds: list[int]) -> dict:
     return table
 
 
-def item_scores(run_dir: Path) -> dict[str, dict[str, float]]:
+def run_item_scores(run_dir: Path) -> dict[str, dict[str, float]]:
     """Per task, the score of every test item of the run's final evaluation, keyed by its question."""
-    scores = {task: {} for task in SCORES}
-    with (run_dir / "eval" / "after.items.jsonl").open() as f:
-        for line in f:
-            item = json.loads(line)
-            if item["task"] in scores:
-                scores[item["task"]][item["question"]] = float(item[ITEM_SCORE[item["task"]]])
-    return scores
+    items = run_dir / "eval" / "after.items.jsonl"
+    return {task: item_scores(items, task, ITEM_SCORE[task]) for task in SCORES}
 
 
 def compare_runs(out: Path, seeds: list[int]) -> list[dict]:
     """For each of ``COMPARISONS`` and task: the run minus its reference, per seed (paired on the same seed; the base
     is shared), and a 95% bootstrap interval of the seed-mean difference, resampling test problems (the same
     problems for every seed, so the interval covers which problems the test happens to hold, not seed noise)."""
-    rng = np.random.default_rng(0)
-    base = item_scores(out / "base")
+    base = run_item_scores(out / "base")
     names = {name for _, run, reference in COMPARISONS for name in (run, reference) if name != "base"}
-    scores = {(name, seed): item_scores(out / f"seed{seed}" / name) for name in names for seed in seeds}
+    scores = {(name, seed): run_item_scores(out / f"seed{seed}" / name) for name in names for seed in seeds}
     results = []
     for label, run, reference in COMPARISONS:
         for task in SCORES:
@@ -199,9 +193,7 @@ def compare_runs(out: Path, seeds: list[int]) -> list[dict]:
                 b = base[task] if reference == "base" else scores[reference, seed][task]
                 differences.append([a[q] - b[q] for q in questions])
             differences = np.array(differences)
-            resampled = rng.integers(0, len(questions), size=(BOOTSTRAP_SAMPLES, len(questions)))
-            means = differences.mean(0)[resampled].mean(1)
-            low, high = np.percentile(means, [2.5, 97.5])
+            low, high = paired_interval(differences, samples=BOOTSTRAP_SAMPLES)
             results.append(
                 {
                     "label": label,

@@ -41,7 +41,7 @@ def model_flags(recipe, student_path, teacher_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["sft", "grpo", "opd"])
 @pytest.mark.parametrize("baseline", ["statelens", "stock"])
-def test_recipe_writes_results_and_ledger(tmp_path, monkeypatch, student_path, teacher_path, recipe, baseline):
+def test_recipe_writes_results_and_ledger(tmp_path, monkeypatch, capsys, student_path, teacher_path, recipe, baseline):
     out = tmp_path / f"{recipe}_{baseline}"
     argv = [*model_flags(recipe, student_path, teacher_path), "--output_dir", str(out), "--baseline", baseline]
     results = run_in_process(recipe, argv + TINY_RUN + RECIPE_FLAGS[recipe], monkeypatch)
@@ -61,6 +61,21 @@ def test_recipe_writes_results_and_ledger(tmp_path, monkeypatch, student_path, t
     if baseline == "statelens":
         assert [json.loads(line)["step"] for line in steps_file.read_text().splitlines()] == [1, 2]
     assert (out / "model.safetensors").exists() and json.loads((out / "log_history.json").read_text())
+    # the summary's target change: after - before on the same problems, inside its bootstrap interval
+    change = results["target_change"]
+    items = {when: [json.loads(line) for line in (out / "eval" / f"{when}.items.jsonl").read_text().splitlines()]
+             for when in ("before", "after")}  # fmt: skip
+    correct = {w: [i["correct_strict"] for i in items[w] if i["task"] == "gsm8k"] for w in items}
+    assert change["num_items"] == 8
+    assert change["change"] == pytest.approx((sum(correct["after"]) - sum(correct["before"])) / 8)
+    assert change["ci95"][0] <= change["change"] <= change["ci95"][1]
+    # the teacher scored on the target beside the student (OPD), and the run's own report and states page
+    assert (results["teacher_eval"] is not None) == (recipe == "opd")
+    if recipe == "opd":
+        assert set(results["teacher_eval"]["scores"]) == {"gsm8k"}
+    assert (out / "report" / "report.html").exists() and (out / "report" / "states.html").exists()
+    printed = capsys.readouterr().out
+    assert f"report: {out / 'report' / 'report.html'}" in printed and "95% interval" in printed
 
 
 @pytest.mark.slow

@@ -26,7 +26,15 @@ from transformers import AutoTokenizer
 
 from .callback import StateLoggingCallback, check_no_ledger
 from .data import load_gsm8k
-from .evaluation import RETENTION_TASKS, RetentionEvalCallback, evaluate_model, parse_limit, retention_summary
+from .evaluation import (
+    RETENTION_TASKS,
+    RetentionEvalCallback,
+    evaluate_model,
+    item_scores,
+    paired_interval,
+    parse_limit,
+    retention_summary,
+)
 from .opd_trainer import without_zero3_init
 from .real_models import SMOLLM2, build_smollm2
 
@@ -245,6 +253,16 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
             retention = retention_summary(before, after)
         except ValueError as error:  # no retention task, or a base score of 0
             print(f"retention not computed: {error}")
+    teacher_scores = None
+    if (
+        teacher_path is not None
+        and Path(teacher_path).is_dir()
+        and after is not None
+        and TARGET_TASK in after["scores"]
+    ):
+        # the teacher on the target, as the student is scored: what "learning from it" can reach
+        target_args = dataclasses.replace(args, eval_tasks=TARGET_TASK)
+        teacher_scores = evaluate(target_args, teacher_path, None, out / "eval" / "teacher.json", training_args.seed)
     drift_path = out / "statelens" / "drift.jsonl"
     drift_lines = drift_path.read_text().splitlines() if drift_path.exists() else []
     results = {
@@ -258,6 +276,8 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
         "before": before,
         "after": after,
         "retention": retention,
+        "target_change": target_change(out),
+        "teacher_eval": teacher_scores,
         "final_drift": json.loads(drift_lines[-1]) if drift_lines else None,
         "train_seconds": round(train_seconds, 1),
         "global_steps": trainer.state.global_step,
@@ -267,7 +287,8 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
-    print_summary(results, trainer.state.log_history, out)
+    report = write_run_report(out)
+    print_summary(results, trainer.state.log_history, out, report)
     trainer.end()
     return results
 
@@ -324,6 +345,32 @@ def compute_counts(trainer) -> dict:
     }
 
 
+def target_change(out: Path) -> dict | None:
+    """The target's after - before on the same problems, with a 95% bootstrap interval over the problems."""
+    before, after = out / "eval" / "before.items.jsonl", out / "eval" / "after.items.jsonl"
+    if not (before.exists() and after.exists()):
+        return None
+    was, now = (item_scores(path, TARGET_TASK, "correct_strict") for path in (before, after))
+    questions = sorted(set(was) & set(now))
+    if not questions:
+        return None
+    differences = [now[q] - was[q] for q in questions]
+    low, high = paired_interval(differences)
+    return {"task": TARGET_TASK, "change": sum(differences) / len(differences), "ci95": [low, high],
+            "num_items": len(questions)}  # fmt: skip
+
+
+def write_run_report(out: Path) -> Path | None:
+    """The run's own report (plots, state statistics) and states page, in `<out>/report`."""
+    from .report import write_report
+
+    try:
+        return write_report([out], out / "report")
+    except Exception as error:  # the run and its results are saved: a report problem must not hide them
+        print(f"report not written ({type(error).__name__}: {error}); try: statelens report {out} --out {out}/report")
+        return None
+
+
 def what_ran(trainer) -> dict:
     """What actually ran, not what the flags asked for: some launch forms silently fall back to one process or DDP."""
     accelerator = trainer.accelerator
@@ -343,15 +390,22 @@ def first_and_last(log_history: list[dict], key: str) -> tuple[float, float] | N
     return (values[0], values[-1]) if values else None
 
 
-def print_summary(results: dict, log_history: list[dict], out: Path) -> None:
+def print_summary(results: dict, log_history: list[dict], out: Path, report: Path | None = None) -> None:
     before, after = results["before"], results["after"]
     print(f"\n=== {results['recipe']} ({results['trainer']}), {results['global_steps']} steps in "
           f"{results['train_seconds']:.0f} s -> {out}")  # fmt: skip
     if after is not None:
-        print(f"{'task':<12}{'before':>10}{'after':>10}")
+        teacher = (results.get("teacher_eval") or {}).get("scores") or {}
+        print(f"{'task':<12}{'before':>10}{'after':>10}" + (f"{'teacher':>10}" if teacher else ""))
         for task, score in after["scores"].items():
             was = before["scores"].get(task) if before else None
-            print(f"{task:<12}{'-' if was is None else f'{was:.3f}':>10}{score:>10.3f}")
+            line = f"{task:<12}{'-' if was is None else f'{was:.3f}':>10}{score:>10.3f}"
+            print(line + (f"{teacher[task]:>10.3f}" if task in teacher else ""))
+    change = results.get("target_change")
+    if change:
+        low, high = change["ci95"]
+        print(f"{change['task']} change {change['change']:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}] over "
+              f"{change['num_items']} problems (paired bootstrap)")  # fmt: skip
     if results["retention"]:
         print(
             f"forgetting {results['retention']['forgetting']:+.4f}   retention {results['retention']['retention']:.4f}"
@@ -362,7 +416,11 @@ def print_summary(results: dict, log_history: list[dict], out: Path) -> None:
             print(f"{key:<26} first step {pair[0]:8.4f}   last step {pair[1]:8.4f}")
     if results["final_drift"]:
         print(f"probe drift at step {results['final_drift']['step']}: mmd {results['final_drift']['mmd']:.5f}")
-    print(f"report: statelens report {out} --out {out}/report")
+    if report is not None:
+        print(f"report: {report.parent / 'report.html'} (and report.md, plots beside it)")
+        print(f"states: {report.parent / 'states.html'}")
+    else:
+        print(f"report: statelens report {out} --out {out}/report")
 
 
 def with_default_config(recipe_file: str, argv: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .gsm8k import GSM8KTask
@@ -209,6 +210,30 @@ def write_results(results: dict, records: dict[str, list[dict]], out: str | Path
 def _task_scores(results: dict) -> dict:
     """Accept a flat ``{task: score}`` mapping or a results dict of :func:`evaluate_model` (its ``scores``)."""
     return results["scores"] if isinstance(results.get("scores"), dict) else results
+
+
+def paired_interval(differences, samples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the mean paired difference, resampling items.
+
+    ``differences`` is `(items,)` or `(seeds, items)` (each seed's run minus its reference on the same items); the
+    items are resampled together across seeds, so the interval covers which items the test set happens to hold.
+    """
+    differences = np.atleast_2d(np.asarray(differences, dtype=float))
+    resampled = np.random.default_rng(seed).integers(0, differences.shape[1], size=(samples, differences.shape[1]))
+    means = differences.mean(0)[resampled].mean(1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def item_scores(items_file: str | Path, task: str, field: str) -> dict[str, float]:
+    """``{question: score}`` of one task from an ``.items.jsonl`` file of :func:`evaluate_model`."""
+    scores = {}
+    with Path(items_file).open() as f:
+        for line in f:
+            item = json.loads(line)
+            if item["task"] == task:
+                scores[item["question"]] = float(item[field])
+    return scores
 
 
 def retention_summary(base: dict, post: dict, tasks=RETENTION_TASKS) -> dict[str, float]:
