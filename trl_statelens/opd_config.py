@@ -27,8 +27,17 @@ class OnPolicyDistillConfig(GRPOConfig):
     scores the generation batch in chunks of `per_device_train_batch_size` rows (`per_device_eval_batch_size` in
     evaluation), as GRPO scores its reference model. With vLLM, the `reverse_kl` loss applies GRPO's vLLM
     importance-sampling correction (`vllm_importance_sampling_correction`); `continuation` (teacher-written tokens)
-    and `divergence` (full-vocabulary, as TRL's `DistillationTrainer`) have no sampled-token gradient to correct. Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the
-    student and $p_T$ the teacher.
+    and `divergence` (full-vocabulary, as TRL's `DistillationTrainer`) have no sampled-token gradient to correct.
+
+    A truncated rollout (no eos within `max_completion_length`: the student's, the teacher's with the `teacher` state
+    source, or a `dataset` reference too long to fit with its eos, cut at the limit without one) is, with
+    `mask_truncated_completions=True`, masked whole as GRPO masks it and supervises nothing under any signal:
+    `reverse_kl` gives its tokens no advantage and no loss term, `continuation` neither cuts it nor asks the teacher to
+    continue it, `divergence` compares no distribution at its states. Without the flag it is supervised like any other
+    rollout (`continuation` cuts it anywhere in its tokens).
+
+    Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the student and $p_T$ the
+    teacher.
 
     Parameters:
         signal (`str`, *optional*, defaults to `"reverse_kl"`):

@@ -276,9 +276,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return self.accelerator.gather(torch.tensor([len(rows)], device=self.accelerator.device)).sum().item() > 0
 
     def _reference_ids(self, reference) -> list[int]:
-        """The dataset's reference answer as completion tokens, ended by eos like a finished rollout."""
+        """The dataset's reference answer as completion tokens, ended by eos like a finished rollout; one that does not
+        fit in `max_completion_length` with its eos is cut there without one, like a rollout that hit the limit (so
+        `mask_truncated_completions` masks it as GRPO masks those)."""
         text = reference[-1]["content"] if isinstance(reference, list) else reference
-        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_completion_length - 1]
+        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= self.max_completion_length:
+            return ids[: self.max_completion_length]
         return ids + [self.eos_token_ids[0]]
 
     @torch.no_grad()
@@ -322,7 +326,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return continuations
 
     def _continue_with_teacher(self, output: dict) -> dict:
-        """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there."""
+        """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there. A rollout
+        GRPO masked whole (truncated, with `mask_truncated_completions`) is neither cut nor continued: it supervises
+        nothing, as in GRPO, and is left as one masked padding token."""
         prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         lengths = completion_mask.sum(1).cpu()
@@ -330,14 +336,26 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         cuts = torch.minimum(cuts, lengths)
         prefixes = [completion_ids[i, : cuts[i]].tolist() for i in range(len(cuts))]
         prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(len(cuts))]
-        continuations = self._teacher_generate(
-            [p + c for p, c in zip(prompts, prefixes)], self.args.continuation_length
-        )
+        # Every rollout holds at least its first token (or eos) unless GRPO masked it whole
+        kept = [i for i in range(len(cuts)) if lengths[i] > 0]
+        continuations = [[] for _ in cuts]
+        # Teacher generation is collective under ZeRO-3: a rank whose rows are all masked continues a stand-in row
+        # while another rank has some, and drops it (a served teacher is asked by each rank for its own rows only)
+        teacher_needed = bool(kept) if self.served_teacher is not None else self._any_rank_has(kept)
+        if teacher_needed:
+            written = self._teacher_generate(
+                [prompts[i] + prefixes[i] for i in kept or [0]], self.args.continuation_length
+            )
+            for i, continuation in zip(kept, written):
+                continuations[i] = continuation
 
         device = completion_ids.device
-        rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prefixes, continuations)]
-        output["completion_ids"] = pad(rows, padding_value=self._tokenizer.pad_token_id).to(device)
-        output["completion_mask"] = pad([torch.ones_like(r) for r in rows], padding_value=0).to(device)
+        pad_id = self._tokenizer.pad_token_id
+        rows = [torch.tensor(p + c or [pad_id], dtype=torch.long) for p, c in zip(prefixes, continuations)]
+        output["completion_ids"] = pad(rows, padding_value=pad_id).to(device)
+        output["completion_mask"] = pad(
+            [torch.full_like(r, int(i in kept)) for i, r in enumerate(rows)], padding_value=0
+        ).to(device)
         positions = torch.arange(output["completion_ids"].size(1), device=device)
         cut = cuts.to(device)[:, None]
         ends = cut + torch.tensor([len(c) for c in continuations], device=device)[:, None]
