@@ -152,3 +152,77 @@ def test_discounted_advantages_match_the_matrix_formula_without_a_t_by_t_tensor(
     expected = _matrix_advantages(logps.double(), teacher_logps.double(), mask.double(), gamma)
     torch.testing.assert_close(advantages, expected.float(), rtol=1e-5, atol=1e-5)
     assert largest.numel <= rows * length  # the discount matrix alone had length**2 = 40000 elements
+
+
+# ----- GRPO settings: applied or refused, never silently ignored --------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2: GRPO's high-entropy token mask"),
+        (dict(entropy_coef=0.01), "entropy_coef=0.01, use_adaptive_entropy=False: GRPO's entropy bonus"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: GRPO's entropy bonus"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5: GRPO's off-policy sequence mask"),
+        (dict(epsilon=0.3), r"\{'epsilon': 0.3\}: these shape GRPO's clipped importance ratio"),
+        (dict(epsilon_high=0.28), r"\{'epsilon_high': 0.28\}"),
+        (dict(delta=2.0), r"\{'delta': 2.0\}"),
+        (dict(importance_sampling_level="sequence"), r"\{'importance_sampling_level': 'sequence'\}"),
+        (dict(signal="continuation", reward_weight=0.5), "reward_weight=0.5 with signal='continuation'"),
+        (dict(signal="divergence", reward_weight=0.5), "reward_weight=0.5 with signal='divergence'"),
+    ],
+)
+def test_grpo_loss_settings_no_opd_loss_reads_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        opd_config(tmp_path, **kwargs)
+
+
+def test_reward_weight_is_accepted_with_reverse_kl(tmp_path):
+    assert opd_config(tmp_path, reward_weight=0.5).reward_weight == 0.5
+
+
+@pytest.fixture(scope="module")
+def moe_student_path(tmp_path_factory, tokenizer):
+    """A tiny random-init Qwen3-MoE with the lab vocabulary; its config's router_aux_loss_coef is 0.001."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=None)  # fmt: skip
+    path = tmp_path_factory.mktemp("moe-student")
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("signal", ["reverse_kl", "continuation", "divergence"])
+def test_moe_router_aux_loss_is_added_as_grpo_adds_it(tmp_path, moe_student_path, teacher_path, math_dataset, signal):
+    from trl import GRPOTrainer
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(moe_student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(
+            tmp_path, signal=signal, continuation_length=4, gradient_accumulation_steps=2, router_aux_loss_coef=0.5
+        ),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.5
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    batch = trainer._generate_and_score_completions(_rows(math_dataset, 4) * 2)
+    with_aux = trainer._compute_loss(trainer.model, batch)
+    # GRPO's own aux loss on the same batch, through TRL's fused head
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        _, _, aux_loss = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1), compute_aux_loss=True
+        )
+    assert aux_loss > 0
+    trainer.aux_loss_enabled = False
+    without_aux = trainer._compute_loss(trainer.model, batch)
+    # GRPO: loss + router_aux_loss_coef * aux_loss / gradient accumulation steps
+    torch.testing.assert_close(with_aux - without_aux, 0.5 * aux_loss / 2, rtol=1e-4, atol=1e-6)
+    assert trainer._metrics["train"]["aux_loss"] == [pytest.approx(aux_loss.item(), rel=1e-5)]

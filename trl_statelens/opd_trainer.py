@@ -504,7 +504,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
         if self.args.signal == "divergence":
             unwrapped = self.accelerator.unwrap_model(model)
-            loss, logps, entropies, teacher_logps = self._forward_redirection(
+            loss, logps, entropies, teacher_logps, aux_loss = self._forward_redirection(
                 model,
                 unwrapped,
                 self._divergence_loss,
@@ -517,8 +517,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             )
             weights = 1.0
         else:
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, num_completion, compute_entropy=True
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                num_completion,
+                compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled,
             )
             self._loss_logps_and_entropies = None  # recorded below, with per-token sources and teacher log-probs
             teacher_logps = self._resolve_teacher_logps(inputs)  # waits here for a served teacher's answer
@@ -533,6 +538,10 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             else:  # continuation: cross-entropy on the teacher's tokens
                 weights = 1.0
                 loss = -(logps * loss_mask).sum() / normalizer
+        if self.aux_loss_enabled:  # a MoE student's router load-balancing loss, added and logged as GRPO does
+            loss = loss + self.router_aux_loss_coef * aux_loss / (accumulation if self.model.training else 1.0)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_teacher_metrics(logps.detach(), teacher_logps, entropies, completion_mask, loss_mask, token_source)
         if self.model.training:
@@ -562,8 +571,15 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
     def _divergence_loss(self, unwrapped, input_ids, attention_mask, num_completion, loss_mask, normalizer):
         """Runs inside the student wrapper's forward (so DDP/DeepSpeed see one forward): generalised JSD over the
-        full vocabulary in chunks, plus the per-token log-probs and entropies the records need."""
-        student_hidden = _completion_hidden_states(unwrapped, input_ids, attention_mask, num_completion)
+        full vocabulary in chunks, plus the per-token log-probs and entropies the records need, and a MoE student's
+        router load-balancing loss (`None` unless GRPO's `aux_loss_enabled`)."""
+        if self.aux_loss_enabled:
+            student_hidden, aux_loss = _completion_hidden_states_and_aux_loss(
+                unwrapped, input_ids, attention_mask, num_completion
+            )
+        else:
+            student_hidden = _completion_hidden_states(unwrapped, input_ids, attention_mask, num_completion)
+            aux_loss = None
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
         with torch.no_grad():
             teacher_hidden = self._forward_redirection(
@@ -599,7 +615,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         with torch.no_grad():
             logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
             teacher_logps, _ = _head_logps(unwrapped_teacher, teacher_hidden, tokens, self.temperature, False)
-        return loss, logps, entropies, teacher_logps
+        return loss, logps, entropies, teacher_logps, aux_loss
 
     def _log_teacher_metrics(self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source):
         """`teacher_kl` (mean sampled reverse KL) and `teacher_nll` over the tokens the student sampled itself."""
@@ -641,6 +657,21 @@ def _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_co
     decoder = unwrapped_model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden[:, -num_completion - 1 : -1]
+
+
+def _completion_hidden_states_and_aux_loss(unwrapped_model, input_ids, attention_mask, num_completion):
+    """`_completion_hidden_states` and, from the same forward's router logits, a MoE model's load-balancing loss,
+    computed as TRL's fused LM head computes it for GRPO (Mixtral's `load_balancing_loss_func`, padding excluded)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = unwrapped_model.config.get_text_config()
+    out = unwrapped_model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True
+    )
+    aux_loss = load_balancing_loss_func(
+        out.router_logits, config.num_experts, config.num_experts_per_tok, attention_mask
+    )
+    return out.last_hidden_state[:, -num_completion - 1 : -1], aux_loss
 
 
 def _logit_post_processing(unwrapped_model) -> tuple[float, float | None]:
