@@ -226,3 +226,88 @@ def test_moe_router_aux_loss_is_added_as_grpo_adds_it(tmp_path, moe_student_path
     # GRPO: loss + router_aux_loss_coef * aux_loss / gradient accumulation steps
     torch.testing.assert_close(with_aux - without_aux, 0.5 * aux_loss / 2, rtol=1e-4, atol=1e-6)
     assert trainer._metrics["train"]["aux_loss"] == [pytest.approx(aux_loss.item(), rel=1e-5)]
+
+
+# ----- a teacher whose output layer is padded past the student's vocabulary (same tokenizer) --------------------------
+EXTRA_ROWS = 128  # Qwen2.5-7B (152064 rows) over Qwen2.5-0.5B (151936), at lab size
+
+
+@pytest.fixture(scope="module")
+def padded_teacher_path(tmp_path_factory, teacher_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
+    teacher.resize_token_embeddings(len(tokenizer) + EXTRA_ROWS)
+    path = tmp_path_factory.mktemp("padded-teacher")
+    teacher.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_reverse_kl_scores_the_students_ids_under_a_padded_teachers_whole_softmax(
+    tmp_path, student_path, padded_teacher_path, math_dataset, tokenizer
+):
+    from transformers import AutoModelForCausalLM
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(padded_teacher_path),
+        args=opd_config(tmp_path),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(_rows(math_dataset, 4) * 2)
+    teacher = AutoModelForCausalLM.from_pretrained(padded_teacher_path)
+    assert teacher.config.vocab_size == len(tokenizer) + EXTRA_ROWS
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+    num_completion = batch["completion_ids"].size(1)
+    logps = logits[:, -num_completion - 1 : -1].float().log_softmax(-1)  # over all rows, padding included
+    expected = logps.gather(-1, batch["completion_ids"][..., None])[..., 0] * batch["completion_mask"]
+    torch.testing.assert_close(batch["teacher_logps"] * batch["completion_mask"], expected, rtol=1e-4, atol=1e-4)
+    loss = trainer._compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss) and loss.item() != 0.0
+
+
+def test_continuation_teacher_with_a_padded_output_layer_never_writes_padding_ids(
+    tmp_path, student_path, padded_teacher_path, math_dataset, tokenizer
+):
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(padded_teacher_path),
+        args=opd_config(tmp_path, signal="continuation", continuation_length=6),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    student_vocab = len(tokenizer)
+
+    def padding_first(module, inputs, logits):  # a teacher that would pick its padding rows if it could
+        logits[..., student_vocab:] += 1e4
+        return logits
+
+    hook = teacher.get_output_embeddings().register_forward_hook(padding_first)
+    prompt_ids = trainer._tokenizer(math_dataset["prompt"][:4])["input_ids"]
+    continuations = trainer._teacher_generate(prompt_ids, 6)
+    hook.remove()
+    assert all(len(c) > 0 and max(c) < student_vocab for c in continuations)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(_rows(math_dataset, 4) * 2)
+    assert batch["completion_ids"].max() < student_vocab and batch["loss_mask"].sum() > 0
+    assert torch.isfinite(trainer._compute_loss(trainer.model, batch))
+
+
+def test_divergence_refuses_a_teacher_of_another_width_and_says_how_to_drop_the_padding(
+    tmp_path, student_path, padded_teacher_path, math_dataset, tokenizer
+):
+    with pytest.raises(ValueError, match=rf"resize_token_embeddings\({len(tokenizer)}\)"):
+        OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=str(padded_teacher_path),
+            args=opd_config(tmp_path, signal="divergence"),
+            train_dataset=math_dataset,
+        )

@@ -66,8 +66,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     Args:
         model (`str` or `PreTrainedModel`): the student, as for [`~trl.GRPOTrainer`].
         teacher_model (`str` or `PreTrainedModel`, *optional*): the teacher, an instance or a path/hub id loaded with
-            `args.teacher_model_init_kwargs`. It must share the student's vocabulary (TRL's `GOLDTrainer` handles
-            cross-tokenizer distillation). It is frozen, kept in eval mode and prepared for the same
+            `args.teacher_model_init_kwargs`. It must share the student's tokenizer (TRL's `GOLDTrainer` handles
+            cross-tokenizer distillation); its output layer may be padded past the student's with `reverse_kl` and
+            `continuation` (see `_check_same_vocabulary`), not with `divergence`. It is frozen, kept in eval mode and prepared for the same
             device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a vLLM server runs the
             teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no weights are loaded).
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
@@ -150,7 +151,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 self._teacher_requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-server")
         else:
             self.served_teacher = None
-            _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path)
+            _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path, args.signal)
             teacher_model.eval()
             teacher_model.requires_grad_(False)
             add_fused_lm_head(
@@ -313,6 +314,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
         # continuation ends at its own eos, as a served teacher's does
         generation_config.min_new_tokens, generation_config.min_length = None, 0
+        # A teacher whose output layer is padded past the student's vocabulary never writes those ids (the student
+        # could not read them): its distribution is renormalised over the ids both share
+        student_vocab, teacher_vocab = map(_vocab_size, (self.model, self.teacher_model))
+        if teacher_vocab > student_vocab:
+            generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
         with unwrap_model_for_generation(
             self.teacher_model, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
         ) as teacher:
@@ -351,11 +357,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
         device = completion_ids.device
         pad_id = self._tokenizer.pad_token_id
-        rows = [torch.tensor(p + c or [pad_id], dtype=torch.long) for p, c in zip(prefixes, continuations)]
+        sequences = [p + c for p, c in zip(prefixes, continuations)]
+        rows = [torch.tensor(s or [pad_id], dtype=torch.long) for s in sequences]  # an empty row: one masked pad
         output["completion_ids"] = pad(rows, padding_value=pad_id).to(device)
-        output["completion_mask"] = pad(
-            [torch.full_like(r, int(i in kept)) for i, r in enumerate(rows)], padding_value=0
-        ).to(device)
+        masks = [torch.full_like(r, int(bool(s))) for r, s in zip(rows, sequences)]
+        output["completion_mask"] = pad(masks, padding_value=0).to(device)
         positions = torch.arange(output["completion_ids"].size(1), device=device)
         cut = cuts.to(device)[:, None]
         ends = cut + torch.tensor([len(c) for c in continuations], device=device)[:, None]
@@ -763,22 +769,52 @@ def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
         )
 
 
-def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: str | None) -> None:
-    student = student.get_base_model() if is_peft_model(student) else student
-    student_vocab = student.config.get_text_config().vocab_size
-    teacher_vocab = teacher.config.get_text_config().vocab_size
+def _vocab_size(model) -> int:
+    """Rows of the model's output layer, from its config (unwrapped from PEFT/DDP/DeepSpeed; ZeRO-3-safe)."""
+    model = getattr(model, "module", model)  # DDP, DeepSpeed engine
+    model = model.get_base_model() if is_peft_model(model) else model
+    return model.config.get_text_config().vocab_size
+
+
+def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: str | None, signal: str) -> None:
+    """The teacher must read the student's token ids as the student does. Its output layer may have more rows than the
+    student's, as when a larger model of a family is padded further (Qwen2.5-7B: 152064, Qwen2.5-0.5B: 151936, one
+    tokenizer): `reverse_kl` and `continuation` score the student's ids, all below the student's vocab_size, under
+    the teacher's softmax over its whole output layer (the teacher as it is: padding rows no tokenizer id reaches
+    carry next to no mass in a trained model), and the teacher never writes a padding id. `divergence` compares whole
+    next-token distributions, which needs the same width."""
+    student_vocab, teacher_vocab = _vocab_size(student), _vocab_size(teacher)
     hint = "Use a teacher with the student's tokenizer, or TRL's GOLDTrainer for cross-tokenizer distillation."
-    if student_vocab != teacher_vocab:
+    if teacher_vocab < student_vocab:
         raise ValueError(
-            f"the teacher's vocab_size ({teacher_vocab}) differs from the student's ({student_vocab}): on-policy "
-            f"distillation scores the student's tokens with the teacher, so both must share a vocabulary. {hint}"
+            f"the teacher's vocab_size ({teacher_vocab}) is smaller than the student's ({student_vocab}): on-policy "
+            f"distillation scores the student's tokens with the teacher, so every student id must be one of the "
+            f"teacher's. {hint}"
         )
-    if teacher_path is None:
+    if teacher_vocab > student_vocab and signal == "divergence":
+        raise ValueError(
+            f"signal='divergence' compares the student's and the teacher's full next-token distributions, but the "
+            f"teacher's output layer has {teacher_vocab} rows and the student's {student_vocab}. If the extra rows are "
+            "padding (the same tokenizer), drop them from the teacher before training, "
+            f"`teacher.resize_token_embeddings({student_vocab})` (its distribution renormalised over the shared ids), "
+            "or use signal='reverse_kl' or 'continuation', which score the student's ids under the whole teacher"
+        )
+    teacher_tokenizer = None
+    if teacher_path is not None:
+        try:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
+        except (OSError, ValueError):
+            pass  # a checkpoint without a tokenizer: the vocab_size checks above are all we can do
+    if teacher_tokenizer is None:
+        if teacher_vocab != student_vocab:
+            logger.warning(
+                "The teacher's output layer has %d rows, the student's %d, and no teacher tokenizer was read to check "
+                "that both map ids alike: the extra rows are taken as padding of the same tokenizer. Pass the "
+                "teacher as a path or hub id to have its tokenizer checked.",
+                teacher_vocab,
+                student_vocab,
+            )
         return
-    try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
-    except (OSError, ValueError):
-        return  # a checkpoint without a tokenizer: the vocab_size check above is all we can do
     if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
         raise ValueError(
             f"the teacher's tokenizer ({teacher_path}) maps tokens to ids differently from the student's: the same "
