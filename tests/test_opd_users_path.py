@@ -27,7 +27,7 @@ def _rows(dataset, n):
     return [dataset[i] for i in range(n)]
 
 
-# ----- truncated rollouts: mask_truncated_completions holds for every signal and state source ---------------------------
+# ----- truncated rollouts: mask_truncated_completions holds for every signal and state source -------------------------
 def _truncate_even_rows(trainer):
     """Rollouts of even rows never sample eos (truncated at max_completion_length); odd rows end at once."""
     eos = trainer.eos_token_ids[0]
@@ -112,7 +112,7 @@ def test_dataset_reference_longer_than_the_limit_is_truncated_not_given_an_eos(
     assert batch["teacher_logps"][:2].abs().sum() == 0
 
 
-# ----- kl_discount: O(B*T), the same advantages as the discount-matrix formula -----------------------------------------
+# ----- kl_discount: O(B*T), the same advantages as the discount-matrix formula ----------------------------------------
 class _LargestTensor(TorchDispatchMode):
     """Records the largest number of elements of any tensor an operation returns."""
 
@@ -154,7 +154,7 @@ def test_discounted_advantages_match_the_matrix_formula_without_a_t_by_t_tensor(
     assert largest.numel <= rows * length  # the discount matrix alone had length**2 = 40000 elements
 
 
-# ----- GRPO settings: applied or refused, never silently ignored --------------------------------------------------------
+# ----- GRPO settings: applied or refused, never silently ignored ------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, message",
     [
