@@ -86,12 +86,31 @@ def test_unreachable_server_fails_fast_with_a_clear_error(tokenizer):
         served(url, tokenizer, timeout=1.0)
 
 
-@pytest.mark.parametrize("extra_tokens", [64, -8])
-def test_served_vocabulary_must_be_the_students(teacher_path, tokenizer, extra_tokens):
-    with TestTeacherServer(teacher_path, vocab_size=len(tokenizer) + extra_tokens) as server:
-        message = "vocabulary of 1088 tokens, the student 1024" if extra_tokens > 0 else "out of its vocabulary"
-        with pytest.raises(TeacherServerError, match=message):
+def test_served_vocabulary_must_hold_the_students_ids(teacher_path, tokenizer):
+    with TestTeacherServer(teacher_path, vocab_size=len(tokenizer) - 8) as server:
+        with pytest.raises(TeacherServerError, match="id 1023 is out of its vocabulary"):
             served(server.url, tokenizer)
+
+
+def test_a_teacher_padded_past_the_students_vocabulary_scores_and_writes_student_ids(teacher_path, tokenizer, caplog):
+    """An output layer padded further than the student's (same tokenizer; Qwen2.5-7B over 0.5B): the student's ids
+    are scored under the teacher's whole softmax, and a continuation ends before any id past the student's."""
+    sequences, starts = _sequences(tokenizer)
+    with TestTeacherServer(teacher_path, vocab_size=len(tokenizer) + 64) as server:
+        client = served(server.url, tokenizer)
+        padded = server.model
+        logps = client.logps(sequences, starts)
+        for row, sequence, start in zip(logps, sequences, starts):
+            with torch.no_grad():
+                expected = padded(torch.tensor([sequence])).logits[0, :-1].float().log_softmax(-1)  # 1088 columns
+            expected = expected[torch.arange(len(sequence) - 1), torch.tensor(sequence[1:])][start - 1 :]
+            torch.testing.assert_close(torch.tensor(row), expected, atol=1e-5, rtol=1e-5)
+        # what the server wrote, with a padding id in the first row: the continuation ends before it
+        written = {"completion_ids": [[11, len(tokenizer) + 3, 12], [13, 14]], "prompt_ids": None, "logprobs": None}
+        client.client.generate = lambda *args, **kwargs: written
+        with caplog.at_level("WARNING"):
+            assert client.generate(sequences[:2], 3, [tokenizer.eos_token_id]) == [[11], [13, 14]]
+        assert "wrote id 1027, past the student's vocabulary (1024 ids)" in caplog.text
 
 
 def test_teacher_tokenizer_must_map_tokens_like_the_students(teacher_server, tokenizer, tokenizer_path, tmp_path):
@@ -102,10 +121,14 @@ def test_teacher_tokenizer_must_map_tokens_like_the_students(teacher_server, tok
         served(teacher_server.url, tokenizer, teacher_tokenizer=other)
 
 
-def test_a_server_capping_log_probs_names_the_flag(teacher_path, tokenizer):
+def test_a_server_at_vllms_default_log_prob_cap_serves_training(teacher_path, tokenizer):
+    """Training asks for the actual token's log-prob only (prompt_logprobs=0), the start-up probe too: no
+    --max-logprobs flag is needed."""
+    sequences, starts = _sequences(tokenizer)
     with TestTeacherServer(teacher_path, max_logprobs=20) as server:  # vLLM's default cap
-        with pytest.raises(TeacherServerError, match=r"max allowed: 20.*--max-logprobs -1"):
-            served(server.url, tokenizer)
+        client = served(server.url, tokenizer)
+        assert [len(row) for row in client.logps(sequences, starts)] == [len(s) - n for s, n in zip(sequences, starts)]
+        assert all(0 < len(c) <= 4 for c in client.generate(sequences, 4, [tokenizer.eos_token_id]))
 
 
 def test_transient_failures_are_retried_then_reported(teacher_path, tokenizer):

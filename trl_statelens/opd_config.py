@@ -23,12 +23,25 @@ class OnPolicyDistillConfig(GRPOConfig):
     is pulled toward, and the loss is a token mean over the generation batch as GRPO's `"dapo"`. So `beta` must stay
     `0.0` (no reference model is loaded), `loss_type` `"dapo"` and `num_iterations` `1`; with `signal="reverse_kl"`,
     `steps_per_generation` must divide `gradient_accumulation_steps` (each rollout trains the policy that sampled it:
-    there is no clipped importance ratio to correct staleness, so `epsilon` and friends never act). The teacher
+    there is no clipped importance ratio to correct staleness). GRPO settings no OPD loss reads are refused at config
+    time: `top_entropy_quantile` below 1, the entropy bonus (`entropy_coef`, `use_adaptive_entropy`),
+    `off_policy_mask_threshold`, and the ratio-clipping settings (`epsilon`, `epsilon_high`, `delta`,
+    `importance_sampling_level`) away from their defaults. A Mixture-of-Experts student's router load-balancing loss
+    (`router_aux_loss_coef`, or the model config's) is added to every signal's loss as GRPO adds it. The teacher
     scores the generation batch in chunks of `per_device_train_batch_size` rows (`per_device_eval_batch_size` in
     evaluation), as GRPO scores its reference model. With vLLM, the `reverse_kl` loss applies GRPO's vLLM
     importance-sampling correction (`vllm_importance_sampling_correction`); `continuation` (teacher-written tokens)
-    and `divergence` (full-vocabulary, as TRL's `DistillationTrainer`) have no sampled-token gradient to correct. Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the
-    student and $p_T$ the teacher.
+    and `divergence` (full-vocabulary, as TRL's `DistillationTrainer`) have no sampled-token gradient to correct.
+
+    A truncated rollout (no eos within `max_completion_length`: the student's, the teacher's with the `teacher` state
+    source, or a `dataset` reference too long to fit with its eos, cut at the limit without one) is, with
+    `mask_truncated_completions=True`, masked whole as GRPO masks it and supervises nothing under any signal:
+    `reverse_kl` gives its tokens no advantage and no loss term, `continuation` neither cuts it nor asks the teacher to
+    continue it, `divergence` compares no distribution at its states. Without the flag it is supervised like any other
+    rollout (`continuation` cuts it anywhere in its tokens).
+
+    Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the student and $p_T$ the
+    teacher.
 
     Parameters:
         signal (`str`, *optional*, defaults to `"reverse_kl"`):
@@ -67,6 +80,7 @@ class OnPolicyDistillConfig(GRPOConfig):
         reward_weight (`float`, *optional*, defaults to `0.0`):
             Weight of GRPO's group-normalised reward advantage (from `reward_funcs`) added to the `reverse_kl`
             advantage. `0` ignores rewards (they are still computed and logged when reward functions are given).
+            Only `signal="reverse_kl"` has an advantage to add it to: other signals refuse a non-zero weight.
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
@@ -174,6 +188,7 @@ class OnPolicyDistillConfig(GRPOConfig):
                 f"num_iterations={self.num_iterations}: on-policy distillation trains on each rollout once; reusing "
                 "rollouts needs GRPO's clipped importance ratios, which its losses do not have. Set num_iterations=1"
             )
+        self._check_grpo_loss_settings()
         if self.teacher_model_server_url is not None:
             self._check_teacher_server_settings()
         super().__post_init__()
@@ -184,6 +199,44 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "rollouts an older policy sampled, which GRPO corrects with clipped importance ratios and on-policy "
                 "distillation does not. Make steps_per_generation divide gradient_accumulation_steps, or use "
                 "signal='continuation' or 'divergence' (supervision at given states, no sampled-token gradient)"
+            )
+
+    def _check_grpo_loss_settings(self):
+        """GRPO loss settings the on-policy distillation losses have no place for: refused, never silently ignored."""
+        if self.top_entropy_quantile < 1.0:
+            raise ValueError(
+                f"top_entropy_quantile={self.top_entropy_quantile}: GRPO's high-entropy token mask is not applied by "
+                "on-policy distillation, which supervises every state of a rollout (and the reverse-KL advantage "
+                "already weighs each token by how far the teacher disagrees there). Leave top_entropy_quantile=1.0"
+            )
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
+            raise ValueError(
+                f"entropy_coef={self.entropy_coef}, use_adaptive_entropy={self.use_adaptive_entropy}: GRPO's entropy "
+                "bonus is not part of the on-policy distillation losses, where the teacher sets how spread the "
+                "student's distribution should be (the reverse KL holds the student's own entropy term). Leave "
+                "entropy_coef=0.0 and use_adaptive_entropy=False"
+            )
+        if self.off_policy_mask_threshold is not None:
+            raise ValueError(
+                f"off_policy_mask_threshold={self.off_policy_mask_threshold}: GRPO's off-policy sequence mask drops "
+                "negative-advantage rollouts an older policy sampled; on-policy distillation trains each rollout "
+                "with the policy that sampled it (reverse_kl) or at given states (continuation, divergence), and "
+                "applies no such mask. Leave off_policy_mask_threshold unset"
+            )
+        clip = {"epsilon": 0.2, "epsilon_high": None, "delta": None, "importance_sampling_level": "token"}
+        changed = {name: getattr(self, name) for name, default in clip.items() if getattr(self, name) != default}
+        if changed:
+            raise ValueError(
+                f"{changed}: these shape GRPO's clipped importance ratio between the policy that sampled a rollout "
+                "and the one trained on it, which on-policy distillation's losses do not have (see signal). Leave "
+                "them at GRPO's defaults"
+            )
+        if self.reward_weight != 0.0 and self.signal != "reverse_kl":
+            raise ValueError(
+                f"reward_weight={self.reward_weight} with signal={self.signal!r}: the reward advantage is added to the "
+                "reverse_kl advantage only; continuation and divergence train on the teacher's tokens or "
+                "distributions, with no sampled-token policy gradient to weight. Use signal='reverse_kl' or leave "
+                "reward_weight=0.0"
             )
 
     def _check_teacher_server_settings(self):

@@ -67,10 +67,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     Args:
         model (`str` or `PreTrainedModel`): the student, as for [`~trl.GRPOTrainer`].
         teacher_model (`str` or `PreTrainedModel`, *optional*): the teacher, an instance or a path/hub id loaded with
-            `args.teacher_model_init_kwargs`. It must share the student's vocabulary (TRL's `GOLDTrainer` handles
-            cross-tokenizer distillation). It is frozen, kept in eval mode and prepared for the same
-            device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a vLLM server runs the
-            teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no weights are loaded).
+            `args.teacher_model_init_kwargs`. It must share the student's tokenizer (TRL's `GOLDTrainer` handles
+            cross-tokenizer distillation); its output layer may be padded past the student's with `reverse_kl` and
+            `continuation` (see `_check_same_vocabulary`), not with `divergence`. It is frozen, kept in eval mode
+            and prepared for the same device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a
+            vLLM server runs the teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no
+            weights are loaded).
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
@@ -151,7 +153,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 self._teacher_requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-server")
         else:
             self.served_teacher = None
-            _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path)
+            _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path, args.signal)
             teacher_model.eval()
             teacher_model.requires_grad_(False)
             add_fused_lm_head(
@@ -277,9 +279,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return self.accelerator.gather(torch.tensor([len(rows)], device=self.accelerator.device)).sum().item() > 0
 
     def _reference_ids(self, reference) -> list[int]:
-        """The dataset's reference answer as completion tokens, ended by eos like a finished rollout."""
+        """The dataset's reference answer as completion tokens, ended by eos like a finished rollout; one that does not
+        fit in `max_completion_length` with its eos is cut there without one, like a rollout that hit the limit (so
+        `mask_truncated_completions` masks it as GRPO masks those)."""
         text = reference[-1]["content"] if isinstance(reference, list) else reference
-        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_completion_length - 1]
+        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= self.max_completion_length:
+            return ids[: self.max_completion_length]
         return ids + [self.eos_token_ids[0]]
 
     @torch.no_grad()
@@ -310,6 +316,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
         # continuation ends at its own eos, as a served teacher's does
         generation_config.min_new_tokens, generation_config.min_length = None, 0
+        # A teacher whose output layer is padded past the student's vocabulary never writes those ids (the student
+        # could not read them): its distribution is renormalised over the ids both share
+        student_vocab, teacher_vocab = map(_vocab_size, (self.model, self.teacher_model))
+        if teacher_vocab > student_vocab:
+            generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
         with unwrap_model_for_generation(
             self.teacher_model, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
         ) as teacher:
@@ -323,7 +334,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return continuations
 
     def _continue_with_teacher(self, output: dict) -> dict:
-        """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there."""
+        """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there. A rollout
+        GRPO masked whole (truncated, with `mask_truncated_completions`) is neither cut nor continued: it supervises
+        nothing, as in GRPO, and is left as one masked padding token."""
         prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         lengths = completion_mask.sum(1).cpu()
@@ -331,14 +344,26 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         cuts = torch.minimum(cuts, lengths)
         prefixes = [completion_ids[i, : cuts[i]].tolist() for i in range(len(cuts))]
         prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(len(cuts))]
-        continuations = self._teacher_generate(
-            [p + c for p, c in zip(prompts, prefixes)], self.args.continuation_length
-        )
+        # Every rollout holds at least its first token (or eos) unless GRPO masked it whole
+        kept = [i for i in range(len(cuts)) if lengths[i] > 0]
+        continuations = [[] for _ in cuts]
+        # Teacher generation is collective under ZeRO-3: a rank whose rows are all masked continues a stand-in row
+        # while another rank has some, and drops it (a served teacher is asked by each rank for its own rows only)
+        teacher_needed = bool(kept) if self.served_teacher is not None else self._any_rank_has(kept)
+        if teacher_needed:
+            written = self._teacher_generate(
+                [prompts[i] + prefixes[i] for i in kept or [0]], self.args.continuation_length
+            )
+            for i, continuation in zip(kept, written):
+                continuations[i] = continuation
 
         device = completion_ids.device
-        rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prefixes, continuations)]
-        output["completion_ids"] = pad(rows, padding_value=self._tokenizer.pad_token_id).to(device)
-        output["completion_mask"] = pad([torch.ones_like(r) for r in rows], padding_value=0).to(device)
+        pad_id = self._tokenizer.pad_token_id
+        sequences = [p + c for p, c in zip(prefixes, continuations)]
+        rows = [torch.tensor(s or [pad_id], dtype=torch.long) for s in sequences]  # an empty row: one masked pad
+        output["completion_ids"] = pad(rows, padding_value=pad_id).to(device)
+        masks = [torch.full_like(r, int(bool(s))) for r, s in zip(rows, sequences)]
+        output["completion_mask"] = pad(masks, padding_value=0).to(device)
         positions = torch.arange(output["completion_ids"].size(1), device=device)
         cut = cuts.to(device)[:, None]
         ends = cut + torch.tensor([len(c) for c in continuations], device=device)[:, None]
@@ -487,7 +512,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
 
         if self.args.signal == "divergence":
             unwrapped = self.accelerator.unwrap_model(model)
-            loss, logps, entropies, teacher_logps = self._forward_redirection(
+            loss, logps, entropies, teacher_logps, aux_loss = self._forward_redirection(
                 model,
                 unwrapped,
                 self._divergence_loss,
@@ -500,8 +525,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             )
             weights = 1.0
         else:
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, num_completion, compute_entropy=True
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                num_completion,
+                compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled,
             )
             self._loss_logps_and_entropies = None  # recorded below, with per-token sources and teacher log-probs
             teacher_logps = self._resolve_teacher_logps(inputs)  # waits here for a served teacher's answer
@@ -516,6 +546,10 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             else:  # continuation: cross-entropy on the teacher's tokens
                 weights = 1.0
                 loss = -(logps * loss_mask).sum() / normalizer
+        if self.aux_loss_enabled:  # a MoE student's router load-balancing loss, added and logged as GRPO does
+            loss = loss + self.router_aux_loss_coef * aux_loss / (accumulation if self.model.training else 1.0)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_teacher_metrics(logps.detach(), teacher_logps, entropies, completion_mask, loss_mask, token_source)
         if self.model.training:
@@ -539,18 +573,21 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     def _reverse_kl_advantages(self, logps, teacher_logps, mask):
         """`A_t = -sum_k gamma^k (log p_S - log p_T)_{t+k}` over the valid tokens of each row."""
         kl = (logps - teacher_logps) * mask
-        gamma = self.args.kl_discount
-        if gamma > 0:
-            steps = torch.arange(kl.size(1), device=kl.device)
-            lag = (steps[None, :] - steps[:, None]).float()  # [t, s] = s - t
-            discount = torch.where(lag >= 0, gamma ** lag.clamp(min=0), torch.zeros_like(lag))
-            kl = kl @ discount.T
+        if self.args.kl_discount > 0:
+            kl = _discounted_reverse_cumsum(kl, self.args.kl_discount)
         return -kl * mask
 
     def _divergence_loss(self, unwrapped, input_ids, attention_mask, num_completion, loss_mask, normalizer):
         """Runs inside the student wrapper's forward (so DDP/DeepSpeed see one forward): generalised JSD over the
-        full vocabulary in chunks, plus the per-token log-probs and entropies the records need."""
-        student_hidden = _completion_hidden_states(unwrapped, input_ids, attention_mask, num_completion)
+        full vocabulary in chunks, plus the per-token log-probs and entropies the records need, and a MoE student's
+        router load-balancing loss (`None` unless GRPO's `aux_loss_enabled`)."""
+        if self.aux_loss_enabled:
+            student_hidden, aux_loss = _completion_hidden_states_and_aux_loss(
+                unwrapped, input_ids, attention_mask, num_completion
+            )
+        else:
+            student_hidden = _completion_hidden_states(unwrapped, input_ids, attention_mask, num_completion)
+            aux_loss = None
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
         with torch.no_grad():
             teacher_hidden = self._forward_redirection(
@@ -586,7 +623,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         with torch.no_grad():
             logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
             teacher_logps, _ = _head_logps(unwrapped_teacher, teacher_hidden, tokens, self.temperature, False)
-        return loss, logps, entropies, teacher_logps
+        return loss, logps, entropies, teacher_logps, aux_loss
 
     def _log_teacher_metrics(self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source):
         """`teacher_kl` (mean sampled reverse KL) and `teacher_nll` over the tokens the student sampled itself."""
@@ -611,11 +648,38 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             self._metrics[mode]["entropy"].append(entropy_sum / supervised)
 
 
+def _discounted_reverse_cumsum(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """`y_t = sum_{s >= t} gamma^(s - t) x_s` along dim 1, as `y_t = x_t + gamma y_{t+1}` from the last position:
+    O(B*T) memory, where a `(T, T)` discount matrix takes about 1 GiB at T = 16k. (Scaling by `gamma^-t` to use
+    `cumsum` would overflow on long rows.)"""
+    out = torch.empty_like(x)
+    running = torch.zeros_like(x[:, 0])
+    for t in range(x.size(1) - 1, -1, -1):
+        running = x[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
 def _completion_hidden_states(unwrapped_model, input_ids, attention_mask, num_completion):
     """Final hidden states at the positions that predict the completion tokens, `(B, T, H)`."""
     decoder = unwrapped_model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden[:, -num_completion - 1 : -1]
+
+
+def _completion_hidden_states_and_aux_loss(unwrapped_model, input_ids, attention_mask, num_completion):
+    """`_completion_hidden_states` and, from the same forward's router logits, a MoE model's load-balancing loss,
+    computed as TRL's fused LM head computes it for GRPO (Mixtral's `load_balancing_loss_func`, padding excluded)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = unwrapped_model.config.get_text_config()
+    out = unwrapped_model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True
+    )
+    aux_loss = load_balancing_loss_func(
+        out.router_logits, config.num_experts, config.num_experts_per_tok, attention_mask
+    )
+    return out.last_hidden_state[:, -num_completion - 1 : -1], aux_loss
 
 
 def _logit_post_processing(unwrapped_model) -> tuple[float, float | None]:
@@ -729,22 +793,52 @@ def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
         )
 
 
-def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: str | None) -> None:
-    student = student.get_base_model() if is_peft_model(student) else student
-    student_vocab = student.config.get_text_config().vocab_size
-    teacher_vocab = teacher.config.get_text_config().vocab_size
+def _vocab_size(model) -> int:
+    """Rows of the model's output layer, from its config (unwrapped from PEFT/DDP/DeepSpeed; ZeRO-3-safe)."""
+    model = getattr(model, "module", model)  # DDP, DeepSpeed engine
+    model = model.get_base_model() if is_peft_model(model) else model
+    return model.config.get_text_config().vocab_size
+
+
+def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: str | None, signal: str) -> None:
+    """The teacher must read the student's token ids as the student does. Its output layer may have more rows than the
+    student's, as when a larger model of a family is padded further (Qwen2.5-7B: 152064, Qwen2.5-0.5B: 151936, one
+    tokenizer): `reverse_kl` and `continuation` score the student's ids, all below the student's vocab_size, under
+    the teacher's softmax over its whole output layer (the teacher as it is: padding rows no tokenizer id reaches
+    carry next to no mass in a trained model), and the teacher never writes a padding id. `divergence` compares whole
+    next-token distributions, which needs the same width."""
+    student_vocab, teacher_vocab = _vocab_size(student), _vocab_size(teacher)
     hint = "Use a teacher with the student's tokenizer, or TRL's GOLDTrainer for cross-tokenizer distillation."
-    if student_vocab != teacher_vocab:
+    if teacher_vocab < student_vocab:
         raise ValueError(
-            f"the teacher's vocab_size ({teacher_vocab}) differs from the student's ({student_vocab}): on-policy "
-            f"distillation scores the student's tokens with the teacher, so both must share a vocabulary. {hint}"
+            f"the teacher's vocab_size ({teacher_vocab}) is smaller than the student's ({student_vocab}): on-policy "
+            f"distillation scores the student's tokens with the teacher, so every student id must be one of the "
+            f"teacher's. {hint}"
         )
-    if teacher_path is None:
+    if teacher_vocab > student_vocab and signal == "divergence":
+        raise ValueError(
+            f"signal='divergence' compares the student's and the teacher's full next-token distributions, but the "
+            f"teacher's output layer has {teacher_vocab} rows and the student's {student_vocab}. If the extra rows are "
+            "padding (the same tokenizer), drop them from the teacher before training, "
+            f"`teacher.resize_token_embeddings({student_vocab})` (its distribution renormalised over the shared ids), "
+            "or use signal='reverse_kl' or 'continuation', which score the student's ids under the whole teacher"
+        )
+    teacher_tokenizer = None
+    if teacher_path is not None:
+        try:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
+        except (OSError, ValueError):
+            pass  # a checkpoint without a tokenizer: the vocab_size checks above are all we can do
+    if teacher_tokenizer is None:
+        if teacher_vocab != student_vocab:
+            logger.warning(
+                "The teacher's output layer has %d rows, the student's %d, and no teacher tokenizer was read to check "
+                "that both map ids alike: the extra rows are taken as padding of the same tokenizer. Pass the "
+                "teacher as a path or hub id to have its tokenizer checked.",
+                teacher_vocab,
+                student_vocab,
+            )
         return
-    try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
-    except (OSError, ValueError):
-        return  # a checkpoint without a tokenizer: the vocab_size check above is all we can do
     if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
         raise ValueError(
             f"the teacher's tokenizer ({teacher_path}) maps tokens to ids differently from the student's: the same "

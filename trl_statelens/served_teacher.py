@@ -11,6 +11,7 @@ can pass (no connection, timeout, 5xx, 429), then raise [`TeacherServerError`]; 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -22,8 +23,10 @@ from requests.adapters import HTTPAdapter
 from transformers import AutoTokenizer
 from trl.generation.vllm_client import VLLMClient
 
+logger = logging.getLogger(__name__)
+
 SERVE_HINT = (
-    "Start the teacher with `vllm serve TEACHER --max-logprobs -1 --max-model-len N` (README: 'A teacher served by "
+    "Start the teacher with `vllm serve TEACHER --max-model-len N` (README: 'A teacher served by "
     "vLLM') and pass its address as teacher_model_server_url, e.g. http://HOST:8000."
 )
 
@@ -80,10 +83,12 @@ class ServedTeacher:
     Args:
         base_url (`str`): the server's address, e.g. `"http://localhost:8000"`.
         student_tokenizer: the student's tokenizer.
-        student_vocab_size (`int`): rows of the student's output layer; the served model must have as many.
+        student_vocab_size (`int`): rows of the student's output layer; the served model must have at least as many
+            (more when its output layer is padded further, same tokenizer: the student's ids are scored under its
+            whole softmax, and a continuation ends before any id past the student's vocabulary).
         teacher_tokenizer (`str` or tokenizer, *optional*): the teacher's tokenizer (or its path/hub id). Given, its
             vocabulary must map every token to the same id as the student's. Without it only the vocabulary size is
-            compared, by a full-vocabulary prompt log-prob probe.
+            checked, by scoring the student's largest id.
         timeout (`float`): seconds to wait for the server to come up and for each answer.
         max_retries (`int`): retries of a request that failed in a way that can pass.
         retry_backoff (`float`): seconds before the first retry, doubled for each further one.
@@ -105,6 +110,7 @@ class ServedTeacher:
     ):
         self.base_url = base_url.rstrip("/")
         self.max_retries, self.retry_backoff = max_retries, retry_backoff
+        self.student_vocab_size = student_vocab_size
         self.chunk_size, self.max_concurrent_requests = chunk_size, max_concurrent_requests
         self.retries = 0  # requests repeated after a transient failure, over this object's life
         self._wait_until_healthy(timeout)
@@ -153,10 +159,10 @@ class ServedTeacher:
                     f"the teacher's tokenizer ({name}) maps tokens to ids differently from the student's: the same ids "
                     f"would mean different text to each model. {hint}"
                 )
-        # Score the largest student id with the whole vocabulary: the entries at that position are the served
-        # model's vocabulary (vLLM returns every token for prompt_logprobs=-1).
+        # Score the student's largest id: vLLM refuses ids past the served model's vocabulary. Only its own log-prob
+        # is asked for (prompt_logprobs=0), as in training, so the server needs no --max-logprobs flag.
         probe = [0, student_vocab_size - 1]
-        payload = {"model": self.model, "prompt": [probe], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": -1}
+        payload = {"model": self.model, "prompt": [probe], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         try:
             choice = self._request(
                 "a vocabulary probe", self.client.session.post, f"{self.base_url}/v1/completions", json=payload
@@ -168,12 +174,11 @@ class ServedTeacher:
                     f"{student_vocab_size - 1} is out of its vocabulary. {hint}"
                 ) from error
             raise
-        served_vocab = len(choice["prompt_logprobs"][1])
-        if served_vocab != student_vocab_size:
+        scored = (choice.get("prompt_logprobs") or [None, None])[1] or {}
+        if str(student_vocab_size - 1) not in scored:
             raise TeacherServerError(
-                f"the served model {self.model!r} has a vocabulary of {served_vocab} tokens, the student "
-                f"{student_vocab_size}: on-policy distillation scores the student's tokens with the teacher, so both "
-                f"must share a vocabulary. {hint}"
+                f"the server at {self.base_url} scored the vocabulary probe without the log-prob of its token "
+                f"({scored!r}): is it vLLM? {SERVE_HINT}"
             )
 
     # ----- requests -----------------------------------------------------------------------------------------------
@@ -186,8 +191,8 @@ class ServedTeacher:
                 if not _transient(error):
                     raise TeacherServerError(
                         f"the teacher server at {self.base_url} rejected {what}: {_server_message(error)}. "
-                        "Check the server's flags against the README ('A teacher served by vLLM'): --max-logprobs -1, "
-                        "--max-model-len at least the longest prompt plus completion."
+                        "Check the server's flags against the README ('A teacher served by vLLM'): --max-model-len at "
+                        "least the longest prompt plus completion."
                     ) from error
                 if attempt == self.max_retries:
                     raise TeacherServerError(
@@ -255,4 +260,18 @@ class ServedTeacher:
         for row in result["completion_ids"]:
             ends = [j for j, token in enumerate(row) if token in eos_token_ids]
             continuations.append(row[: ends[0] + 1] if ends else row)
-        return continuations
+        return [self._student_ids(continuation) for continuation in continuations]
+
+    def _student_ids(self, continuation: list[int]) -> list[int]:
+        """The continuation up to its first id past the student's vocabulary, if any: a padding row of a teacher whose
+        output layer is wider than the student's (same tokenizer), which the student can neither read nor be scored
+        on. A trained teacher puts next to no mass there (an in-process teacher is kept from writing them)."""
+        cut = next((j for j, token in enumerate(continuation) if token >= self.student_vocab_size), None)
+        if cut is None:
+            return continuation
+        logger.warning(
+            "The served teacher wrote id %d, past the student's vocabulary (%d ids): its continuation ends before it.",
+            continuation[cut],
+            self.student_vocab_size,
+        )
+        return continuation[:cut]
