@@ -5,7 +5,7 @@ with the lens watching (STUDY.md, "Diagnosis").
     statelens report runs/opd-diagnosis/* --out runs/opd-diagnosis/report   # written at the end anyway
 
 Every arm distils the lab math teacher into the lab base (lab seed 0) with the demo's settings (8 prompts x 4
-rollouts a step, lr 3e-4, temperature 1), only longer, and is scored on the 100 dev problems every `--eval_every`
+rollouts a step, lr 3e-4 or the pre-registered 1e-3, temperature 1), only longer, and is scored on the 100 dev problems every `--eval_every`
 steps, greedy and on 4 temperature-1 samples per problem. Every `--eval_every` steps the probes (32 dev prompts)
 also measure where the student still disagrees with its teacher: exact reverse KL on its own samples and on its
 step-0 samples, on number tokens and the rest, by prefix position (`statelens/drift.jsonl`). A run whose
@@ -25,9 +25,13 @@ from trl_statelens.report import write_report
 RECIPES = Path(__file__).resolve().parent
 ARMS = {
     "reverse_kl": ["--signal", "reverse_kl"],
-    "continuation": ["--signal", "continuation"],
     "divergence": ["--signal", "divergence"],
+    "continuation": ["--signal", "continuation"],
     "stock": ["--baseline", "stock"],  # TRL's DistillationTrainer: full-vocabulary JSD, beta 1 (= jsd_beta)
+    # the pre-registered second learning rate (STUDY.md)
+    "reverse_kl_lr1e-3": ["--signal", "reverse_kl", "--learning_rate", "1e-3"],
+    "divergence_lr1e-3": ["--signal", "divergence", "--learning_rate", "1e-3"],
+    "continuation_lr1e-3": ["--signal", "continuation", "--learning_rate", "1e-3"],
 }
 
 
