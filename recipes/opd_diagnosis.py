@@ -1,7 +1,8 @@
 """Why on-policy distillation moves its target slowly on the lab: each signal, and stock TRL, run long on the dev split
 with the lens watching (STUDY.md, "Diagnosis").
 
-    python recipes/opd_diagnosis.py --out runs/opd-diagnosis --jobs 2       # about 45 minutes on 2 cores
+    python recipes/opd_diagnosis.py --out runs/opd-diagnosis --jobs 2       # the OPD arms
+    python recipes/opd_diagnosis.py --out runs/grpo-dev --jobs 2 --arms grpo_lr1e-4 grpo_lr3e-4   # GRPO's
     statelens report runs/opd-diagnosis/* --out runs/opd-diagnosis/report   # written at the end anyway
 
 Every arm distils the lab math teacher into the lab base (lab seed 0) with the demo's settings (8 prompts x 4
@@ -13,6 +14,7 @@ step-0 samples, on number tokens and the rest, by prefix position (`statelens/dr
 """
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from trl_statelens.report import write_report
+from trl_statelens.report import load_run, target_scores_during, training_flops, write_report
 
 RECIPES = Path(__file__).resolve().parent
 ARMS = {
@@ -28,26 +30,37 @@ ARMS = {
     "divergence": ["--signal", "divergence"],
     "continuation": ["--signal", "continuation"],
     "stock": ["--baseline", "stock"],  # TRL's DistillationTrainer: full-vocabulary JSD, beta 1 (= jsd_beta)
-    # the pre-registered second learning rate (STUDY.md)
-    "reverse_kl_lr1e-3": ["--signal", "reverse_kl", "--learning_rate", "1e-3"],
-    "divergence_lr1e-3": ["--signal", "divergence", "--learning_rate", "1e-3"],
-    "continuation_lr1e-3": ["--signal", "continuation", "--learning_rate", "1e-3"],
+    # the pre-registered second learning rate, to 150 steps (STUDY.md)
+    "reverse_kl_lr1e-3": ["--signal", "reverse_kl", "--learning_rate", "1e-3", "--max_steps", "150"],
+    "divergence_lr1e-3": ["--signal", "divergence", "--learning_rate", "1e-3", "--max_steps", "150"],
+    "continuation_lr1e-3": ["--signal", "continuation", "--learning_rate", "1e-3", "--max_steps", "150"],
 }
+# The pre-registered GRPO budget candidates (recipes/grpo.py and its lab config), greedy dev scores every 10 steps
+GRPO_ARMS = {
+    "grpo_lr1e-4": ["--learning_rate", "1e-4"],
+    "grpo_lr3e-4": ["--learning_rate", "3e-4"],
+}
+GRPO_FLAGS = ["--max_steps", "60", "--target_eval_steps", "10", "--probe_steps", "10", "--eval_samples", "0"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/opd-diagnosis")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--jobs", type=int, default=1, help="arms run at once, one process (one torch thread) each")
+    parser.add_argument("--choose", action="store_true", help="only apply the pre-registered rule to finished arms")
+    parser.add_argument("--tolerance", type=float, default=0.03, help="the rule's margin below the best (STUDY.md)")
     parser.add_argument(
         "extra", nargs="*", help="more recipe flags for every arm, after --, e.g. -- --learning_rate 1e-3"
     )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.choose:
+        choose(out, [arm for arm in args.arms if (out / arm / "results.json").exists()], args.tolerance)
+        return
     common = [
         "--eval_split", "dev", "--max_steps", str(args.steps), "--target_eval_steps", str(args.eval_every),
         "--target_eval_limit", "100", "--eval_samples", "4", "--probe_steps", str(args.eval_every),
@@ -63,7 +76,11 @@ def main():
         folder = out / arm
         shutil.rmtree(folder / "statelens", ignore_errors=True)  # an unfinished run (no checkpoints) starts over
         folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, str(RECIPES / "opd.py"), "--output_dir", str(folder), *ARMS[arm], *common]
+        if arm in GRPO_ARMS:  # later flags win: GRPO's own budget and evaluation cadence
+            command = [sys.executable, str(RECIPES / "grpo.py"), "--output_dir", str(folder), *common, *GRPO_FLAGS,
+                       *GRPO_ARMS[arm]]  # fmt: skip
+        else:
+            command = [sys.executable, str(RECIPES / "opd.py"), "--output_dir", str(folder), *common, *ARMS[arm]]
         print(f"{arm}: {' '.join(command)}", flush=True)
         running.append((arm, subprocess.Popen(command, env=env, stdout=(folder / "log.txt").open("w"),
                                               stderr=subprocess.STDOUT)))  # fmt: skip
@@ -73,6 +90,38 @@ def main():
     print(f"all arms done in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
     report = write_report([out / arm for arm in args.arms], out / "report")
     print(f"report: {report}")
+    choose(out, args.arms, args.tolerance)
+
+
+def choose(out: Path, arms: list[str], tolerance: float) -> dict:
+    """The pre-registered rule (STUDY.md): smooth each dev score with its neighbouring evaluations, take the best,
+    and choose the cheapest (arm, step) within `tolerance` of it; the stock arm is not a candidate."""
+    rows, base = [], None
+    for arm in arms:
+        run = load_run(out / arm)
+        steps, scores = target_scores_during(run, "accuracy_strict")  # step 0: the `before` evaluation
+        base = scores[0] if steps[0] == 0 else base
+        smoothed = [scores[max(i - 1, 0) : i + 2].mean() for i in range(len(scores))]
+        flops = training_flops(run, steps)
+        for i, step in enumerate(steps):
+            if step > 0:
+                rows.append({"arm": arm, "step": int(step), "dev": float(scores[i]), "smoothed": float(smoothed[i]),
+                             "flops": float(flops[i])})  # fmt: skip
+    candidates = [r for r in rows if r["arm"] != "stock"]
+    best = max(r["smoothed"] for r in candidates)
+    chosen = min((r for r in candidates if r["smoothed"] >= best - tolerance), key=lambda r: r["flops"])
+    moves = best >= base + tolerance
+    print(f"base dev score {base:.3f}; best smoothed dev score {best:.3f}; rule: cheapest within {tolerance}")
+    print(f"{'arm':<22}{'step':>6}{'dev':>8}{'smoothed':>10}{'FLOPs':>12}")
+    for r in rows:
+        mark = " <- chosen" if r is chosen else ""
+        print(f"{r['arm']:<22}{r['step']:>6}{r['dev']:>8.3f}{r['smoothed']:>10.3f}{r['flops']:>12.3e}{mark}")
+    verdict = "moves the target" if moves else "does NOT move the target by the margin within these budgets"
+    print(f"chosen: {chosen['arm']} at {chosen['step']} steps ({verdict})")
+    result = {"base": base, "best": best, "tolerance": tolerance, "moves_target": bool(moves), "chosen": chosen,
+              "candidates": rows}  # fmt: skip
+    (out / "chosen.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 def _check(arm: str, process) -> bool:

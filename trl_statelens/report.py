@@ -612,37 +612,37 @@ def target_scores_during(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray]
     return tuple(np.array(points, dtype=float).T) if points else None
 
 
-def compute_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
-    """(training FLOPs so far, target score) at each target evaluation, from `results.json`'s `compute` counts, the
-    logged `num_tokens` and the ledger's `supervised_tokens`; the `before` score at 0 and the `after` score at the
-    run's total."""
+def training_flops(run: Run, steps) -> np.ndarray | None:
+    """Training FLOPs up to the end of each of `steps`, from `results.json`'s `compute` counts, the logged
+    `num_tokens` (every `logging_steps`: linear in between) and the ledger's `supervised_tokens`; `None` without
+    them."""
     compute = (run.results or {}).get("compute")
-    curve = target_scores_during(run, target_eval_key(run).rsplit("/", 1)[-1])
-    if not isinstance(compute, dict) or curve is None:
-        return None
     logged = [(e["step"], e["num_tokens"]) for e in run.log_history or [] if isinstance(e, dict) and "num_tokens" in e]
-    if not logged:
+    if not isinstance(compute, dict) or not logged:
         return None
     token_steps, tokens = np.array(logged, dtype=float).T
+    steps = np.asarray(steps, dtype=float)
+    flops = compute["flops_per_token"] * np.interp(steps, np.r_[0.0, token_steps], np.r_[0.0, tokens])
     supervised = column(run.steps, "supervised_tokens")
-    supervised_so_far = np.cumsum(np.nan_to_num(supervised)) if supervised is not None else None
+    if compute.get("flops_per_supervised_token") and supervised is not None:
+        so_far = np.r_[0.0, np.cumsum(np.nan_to_num(supervised))]
+        index = np.searchsorted(run.steps["step"].to_numpy(), steps, side="right")
+        flops = flops + compute["flops_per_supervised_token"] * so_far[index]
+    return np.where(steps > 0, flops, 0.0)
 
-    def flops_at(step: float) -> float:
-        if step <= 0:
-            return 0.0
-        # tokens are logged every `logging_steps`: interpolate linearly between logged steps
-        flops = compute["flops_per_token"] * float(np.interp(step, np.r_[0.0, token_steps], np.r_[0.0, tokens]))
-        if compute.get("flops_per_supervised_token") and supervised_so_far is not None:
-            index = np.searchsorted(run.steps["step"].to_numpy(), step, side="right") - 1
-            flops += compute["flops_per_supervised_token"] * (supervised_so_far[index] if index >= 0 else 0.0)
-        return flops
 
-    steps, scores = curve
-    x = np.array([flops_at(step) for step in steps])
-    after = (run.evaluation("after") or {}).get(TARGET_TASK)
-    if after is not None and compute.get("flops"):
-        x, scores = np.r_[x, compute["flops"]], np.r_[scores, after]
-    return x, scores
+def compute_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
+    """(training FLOPs so far, target score) at each target evaluation: the `before` score at 0, the `after` score at
+    the run's total."""
+    curve = target_scores_during(run, target_eval_key(run).rsplit("/", 1)[-1])
+    flops = None if curve is None else training_flops(run, curve[0])
+    if flops is None:
+        return None
+    scores = curve[1]
+    after, total = (run.evaluation("after") or {}).get(TARGET_TASK), run.results["compute"].get("flops")
+    if after is not None and total:
+        flops, scores = np.r_[flops, total], np.r_[scores, after]
+    return flops, scores
 
 
 def plot_compute(runs, styles, out_dir) -> Path | None:
