@@ -8,6 +8,7 @@ supervised (`state_source_mix`) and what the teacher says there (`signal`), and 
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -73,7 +74,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
-            when the `dataset` state source is used.
+            when the `dataset` state source is used. Image datasets (an `image` or `images` column, what GRPO reads
+            images from) are refused: neither the loss nor the teacher would see the images.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
             `args.reward_weight`.
         eval_dataset, processing_class, callbacks, optimizers, peft_config, state_logging: as for
@@ -102,6 +104,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if not isinstance(args, OnPolicyDistillConfig):
             raise TypeError(f"args must be an OnPolicyDistillConfig, got {type(args).__name__}")
         _check_dataset(train_dataset, args)
+        _check_no_images(train_dataset, eval_dataset)
         if args.use_vllm and args.state_source_mix.get("learner", 0.0) < 1.0:
             raise ValueError(
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
@@ -175,23 +178,51 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         extra = self.args.continuation_length if self.args.signal == "continuation" else 0
         return self.args.max_completion_length + extra
 
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        # The `dataset` state source reads each row's reference answer: keep its column with remove_unused_columns
+        if (
+            self.args.state_source_mix.get("dataset", 0.0) > 0
+            and self.args.reference_column not in self._signature_columns
+        ):
+            self._signature_columns = [*self._signature_columns, self.args.reference_column]
+
     # ----- checkpoints: the source/cut-point generator travels with the trainer's RNG states -----------------------
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         path = Path(output_dir) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
-        torch.save({"source_generator": self._source_generator.get_state()}, path)
+        # `micro_step`: GRPO's count of micro-batches, to tell at resume whether the checkpoint is inside a generation
+        torch.save({"source_generator": self._source_generator.get_state(), "micro_step": self._step}, path)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
         path = Path(checkpoint) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
-        if not path.is_file():
+        saved = torch.load(path, weights_only=True) if path.is_file() else {}
+        self._check_resume_at_generation_boundary(checkpoint, saved.get("micro_step"))
+        if not saved:
             logger.warning(
                 "%s not found: state sources and cut points after this resume differ from an uninterrupted run's", path
             )
             return
-        self._source_generator.set_state(torch.load(path, weights_only=True)["source_generator"])
+        self._source_generator.set_state(saved["source_generator"])
+
+    def _check_resume_at_generation_boundary(self, checkpoint: str, micro_step: int | None) -> None:
+        """GRPO keeps a generation batch's rollouts in memory only (and restarts its micro-batch count at 0): resumed
+        inside one, it would sample new rollouts for the rest of that batch and train some micro-batches twice."""
+        if micro_step is None:  # a checkpoint from before the count was saved: every window was full
+            micro_step = self.state.global_step * self.args.gradient_accumulation_steps
+        spg = self.args.steps_per_generation
+        if micro_step % spg != 0:
+            steps = spg // math.gcd(spg, self.args.gradient_accumulation_steps)
+            raise ValueError(
+                f"cannot resume from {checkpoint}: it was saved after {micro_step} micro-batches, inside a generation "
+                f"batch of steps_per_generation={spg} micro-batches (gradient_accumulation_steps="
+                f"{self.args.gradient_accumulation_steps}), whose rollouts a checkpoint does not hold; resuming would "
+                f"sample new ones for its rest and train some micro-batches twice. Resume from a checkpoint saved at a "
+                f"multiple of {steps} steps (set save_steps to one), or restart the run."
+            )
 
     def _connect_teacher_server(self, teacher_path: str | None):
         """A [`ServedTeacher`] on `args.teacher_model_server_url`, checked now: reachable, serving a model with the
@@ -704,6 +735,22 @@ def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
             f"state_source_mix uses 'dataset' states, which need reference answers in column "
             f"{args.reference_column!r}, absent from the dataset (columns: {columns}); set reference_column"
         )
+
+
+def _check_no_images(*datasets) -> None:
+    """GRPO would pass an `image`/`images` column to the student's rollouts, but OPD's loss and teacher scoring run
+    on token ids alone: the student would be trained, and the teacher would score, without the images."""
+    for dataset in datasets:
+        for split in dataset.values() if isinstance(dataset, dict) else [dataset]:
+            columns = getattr(split, "column_names", None) or []
+            found = [c for c in ("image", "images") if c in columns]
+            if found:
+                raise ValueError(
+                    f"the dataset has an image column ({found[0]!r}): OnPolicyDistillTrainer supports text only (its "
+                    "loss and the teacher see token ids, never the images). Drop the column "
+                    f"(dataset.remove_columns({found[0]!r})) to train on the text alone, or use TRL's GRPOTrainer or "
+                    "GOLDTrainer for vision-language data."
+                )
 
 
 def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: str | None) -> None:
