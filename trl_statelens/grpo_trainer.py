@@ -30,7 +30,8 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
     Bad input (an empty dataset, no `prompt` column, a tokenizer without eos, a prompt that leaves no room for
     `max_completion_length` tokens in the model's context) is refused before training, with the fix in the message; a
     reward function that raises stops training with the step named, and a non-finite gradient stops it before the
-    optimizer applies it (docs/bad-input.md).
+    optimizer applies it, except an fp16 overflow step, which the loss scaler skips: counted in
+    `statelens/skipped_overflow_steps` (docs/bad-input.md).
 
     Args:
         *args, **kwargs: the arguments of [`~trl.GRPOTrainer`].
