@@ -329,7 +329,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 top_k=self.top_k,
                 min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty,
-                seed=int(torch.randint(2**31 - 1, (1,), generator=self._source_generator)),
+                # A seed per row (vLLM would sample a request's identical prefixes alike), drawn from the run's seed
+                seeds=torch.randint(2**31 - 1, (len(prefixes),), generator=self._source_generator).tolist(),
             )
         device = self.accelerator.device
         rows = [torch.tensor(p, dtype=torch.long) for p in prefixes]

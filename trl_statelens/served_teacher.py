@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from unittest import mock
 
@@ -232,16 +233,19 @@ class ServedTeacher:
         top_k: int = 0,
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
-        seed: int | None = None,
+        seeds: list[int] | None = None,
     ) -> list[list[int]]:
         """The teacher's continuation of each token prefix, at most `max_tokens` tokens sampled with the given
-        settings, ending at (and including) its first token in `eos_token_ids`."""
+        settings, ending at (and including) its first token in `eos_token_ids`.
+
+        With `seeds`, prefix `i` is sampled with seed `seeds[i]`, in a request of its own (up to
+        `max_concurrent_requests` at a time): vLLM seeds every prompt of a request with the request's one `seed`, so
+        identical prefixes in one request would get identical continuations, and different ones the same noise.
+        Without, one request for all prefixes, each sampled with its own unseeded noise.
+        """
         if not prefixes:
             return []
-        result = self._request(
-            "generation",
-            self.client.generate,
-            prefixes,
+        settings = dict(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k if top_k else 0,
@@ -249,10 +253,22 @@ class ServedTeacher:
             repetition_penalty=repetition_penalty,
             max_tokens=max_tokens,
             logprobs=None,
-            generation_kwargs=None if seed is None else {"seed": seed},
         )
+
+        def request(batch: list[list[int]], seed: int | None) -> list[list[int]]:
+            kwargs = None if seed is None else {"seed": seed}
+            result = self._request("generation", self.client.generate, batch, **settings, generation_kwargs=kwargs)
+            return result["completion_ids"]
+
+        if seeds is None:
+            rows = request(prefixes, None)
+        else:
+            if len(seeds) != len(prefixes):
+                raise ValueError(f"{len(seeds)} seeds for {len(prefixes)} prefixes: give one seed per prefix")
+            with ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(prefixes))) as pool:
+                rows = [row for part in pool.map(request, [[p] for p in prefixes], seeds) for row in part]
         continuations = []
-        for row in result["completion_ids"]:
+        for row in rows:
             ends = [j for j, token in enumerate(row) if token in eos_token_ids]
             continuations.append(row[: ends[0] + 1] if ends else row)
         return continuations
