@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -265,7 +266,7 @@ def test_overlapped_scoring_gives_the_same_teacher_logps_and_loss(
         runs[True],
         runs[False],
     )
-    assert threads_on == ["teacher-server_0"] * 2 and threads_off == ["MainThread"] * 2  # one request per generation
+    assert threads_on == ["teacher-server"] * 2 and threads_off == ["MainThread"] * 2  # one request per generation
     assert len(resolved_on) == len(resolved_off) == 4
     for on, off in zip(resolved_on, resolved_off):
         assert (on != 0).sum() > 20 and torch.equal(on, off)  # bit for bit, in the same shuffled order
@@ -290,8 +291,22 @@ def test_a_failed_background_request_stops_training_before_the_update(
         with pytest.raises(TeacherServerError, match=message):
             trainer.train()
         assert server.failed == (2 if status == 503 else 1)
-    assert threads == ["teacher-server_0"] and resolved == []  # it failed in the background, raised in the loss
+    assert threads == ["teacher-server"] and resolved == []  # it failed in the background, raised in the loss
     assert all(torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
+
+
+@pytest.mark.slow
+def test_a_crash_with_a_request_in_flight_exits_at_once(tmp_path, student_path, teacher_path):
+    """The step's scoring request waits on a one-minute answer when the reward function raises: the process exits
+    within seconds, not once the request is answered (or has timed out, retries included)."""
+    script = Path(__file__).parent / "scripts" / "served_teacher_crash.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(student_path), str(teacher_path), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    exited = time.time()
+    assert result.returncode != 0 and "ZeroDivisionError: a bug in the reward function" in result.stderr
+    crashed = float(result.stdout.split("crashed ")[1].split()[0])
+    assert exited - crashed < 15.0  # the answer would have come after 60 s
 
 
 @pytest.mark.slow

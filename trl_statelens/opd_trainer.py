@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import NamedTuple
 
@@ -148,9 +148,6 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if args.teacher_model_server_url is not None:
             self.teacher_model = None
             self.served_teacher = self._connect_teacher_server(teacher_path)
-            if args.teacher_server_overlap:
-                # One worker: a rank's scoring requests go out one at a time, in the order the batches were made
-                self._teacher_requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-server")
         else:
             self.served_teacher = None
             _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path)
@@ -172,6 +169,20 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
+
+    def train(self, *args, **kwargs):
+        if self.served_teacher is None or not self.args.teacher_server_overlap:
+            return super().train(*args, **kwargs)
+        from .served_teacher import BackgroundRequests
+
+        # One worker: a rank's scoring requests go out one at a time, in the order the batches were made. Shut down
+        # when training ends or fails, so that a crash does not leave the process waiting for a request in flight.
+        self._teacher_requests = BackgroundRequests("teacher-server")
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._teacher_requests.shutdown()
+            self._teacher_requests = None
 
     def _tokens_after_prompt(self) -> int:
         """A continuation can start at the rollout's last token: up to `continuation_length` more tokens."""
