@@ -5,6 +5,7 @@ One test per row of docs/bad-input.md.
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -153,6 +154,98 @@ def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path, student_path,
     out = tmp_path / "sft"
     assert [line["step"] for line in read_jsonl(out / "statelens" / "steps.jsonl")] == [1]
     assert (out / "checkpoint-1").is_dir()  # finished work is kept: resume from there
+
+
+def simulate_native_fp16(trainer, monkeypatch, init_scale):
+    """fp16 mixed precision as accelerate runs it on a GPU, on the CPU (which accelerate refuses fp16 for): a real
+    `GradScaler` scales the loss in backward, the gradients are unscaled before clipping (the norm is the unscaled
+    one), and the optimizer steps through the scaler, which skips a step whose gradients are not finite and halves its
+    scale. Only the fp16 autocast is missing: overflows come from `init_scale` (float32 overflows past 2**128)."""
+    accelerator = trainer.accelerator
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    accelerator.native_amp = True
+    monkeypatch.setattr(type(accelerator), "mixed_precision", property(lambda self: "fp16"))  # unscale before clipping
+    trainer.args.fp16 = True  # what a user sets (after construction: TrainingArguments refuses fp16 on the CPU)
+
+
+class WeightChanges(TrainerCallback):
+    """Per optimizer step: whether the weights changed."""
+
+    def __init__(self):
+        self.changed, self.last = [], None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        now = model.model.norm.weight.detach().clone()
+        self.changed.append(self.last is None or not torch.equal(now, self.last))
+        self.last = now
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.last = model.model.norm.weight.detach().clone()
+
+
+def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, student_path, math_dataset, monkeypatch):
+    changes = WeightChanges()
+    trainer = StateLensSFTTrainer(
+        model=str(student_path),
+        args=sft_args(tmp_path, max_steps=5, max_length=128, learning_rate=1e-2),
+        train_dataset=math_dataset,
+        callbacks=[changes],
+    )
+    simulate_native_fp16(trainer, monkeypatch, init_scale=2.0**127)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    skipped = [entry["statelens/skipped_overflow_steps"] for entry in logs]
+    overflowed = [not math.isfinite(entry["grad_norm"]) for entry in logs]
+    assert skipped == [int(o) for o in overflowed] and 1 <= sum(skipped) < 5  # the first steps overflow, then not
+    assert trainer.accelerator.scaler.get_scale() == 2.0 ** (127 - sum(skipped))  # halved once per skipped step
+    assert changes.changed == [not o for o in overflowed]  # skipped steps leave the weights as they were
+
+
+def test_fp16_non_finite_gradients_stop_once_the_loss_scale_is_below_1(
+    tmp_path, student_path, math_dataset, monkeypatch
+):
+    trainer = StateLensSFTTrainer(
+        model=str(student_path),
+        args=sft_args(tmp_path, max_steps=8, max_length=128),
+        train_dataset=math_dataset,
+    )
+    with torch.no_grad():  # NaN loss and gradients at any scale
+        trainer.model.get_input_embeddings().weight[:, 0] = float("nan")
+    simulate_native_fp16(trainer, monkeypatch, init_scale=4.0)
+    with pytest.raises(
+        FloatingPointError, match="in step 4 with the fp16 loss scale already down to 0.5, after 3 overflow"
+    ):
+        trainer.train()  # skipped at scales 4, 2 and 1, then stopped
+    assert [e["statelens/skipped_overflow_steps"] for e in trainer.state.log_history if "loss" in e] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_deepspeed_overflow_steps_it_skipped_are_counted_and_applied_ones_stop(applied):
+    """Under DeepSpeed the engine steps inside backward (accelerate), before the trainer reads the norm: a step its
+    loss scaler skipped is counted; a non-finite one it applied stops training. The guard's logic on a stand-in
+    engine (DeepSpeed fp16 itself is not run here)."""
+    from types import SimpleNamespace
+
+    from trl_statelens.checks import FiniteGradientsMixin
+
+    class Norm:
+        def _get_grad_norm(self, model, grad_norm=None):
+            return grad_norm
+
+    class Trainer(FiniteGradientsMixin, Norm):
+        pass
+
+    engine = SimpleNamespace(was_step_applied=lambda: applied)
+    trainer = Trainer()
+    trainer.state = SimpleNamespace(global_step=6)
+    trainer.accelerator = SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=engine), scaler=None)
+    assert trainer._get_grad_norm(None, grad_norm=0.5) == 0.5
+    if applied:
+        with pytest.raises(FloatingPointError, match="in step 7, .*DeepSpeed applied the step"):
+            trainer._get_grad_norm(None, grad_norm=float("inf"))
+    else:
+        assert trainer._get_grad_norm(None, grad_norm=float("inf")) == float("inf")
+        assert trainer._skipped_overflow_steps == 1
 
 
 def test_tokenizer_without_eos(tmp_path, student_path, math_dataset, tokenizer_path):

@@ -308,3 +308,96 @@ def test_probe_teacher_disagreement_is_zero_for_a_teacher_equal_to_the_student(
     (line,) = read_jsonl(tmp_path / "statelens" / "drift.jsonl")
     assert abs(line["teacher_kl"]) < 1e-6 and abs(line["teacher_kl_fixed"]) < 1e-6
     assert line["probe_tokens"] > 0
+
+
+def probing_grpo_trainer(tmp_path, student_path, tokenizer, math_dataset, **config):
+    return StateLensGRPOTrainer(
+        model=str(student_path),
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=GRPOConfig(
+            output_dir=str(tmp_path),
+            num_generations=2,
+            max_completion_length=4,
+            per_device_train_batch_size=2,
+            max_steps=1,
+            **CPU,
+            **config,
+        ),
+        train_dataset=Dataset.from_dict({"prompt": math_dataset["prompt"][:4]}),
+        processing_class=tokenizer,
+        callbacks=[StateLoggingCallback(probe_prompts=math_dataset["prompt"][:2], probe_max_new_tokens=4)],
+    )
+
+
+def probe_callback(trainer):
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StateLoggingCallback))
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_probes_honour_ds3_gather_for_generation(tmp_path, student_path, tokenizer, math_dataset, monkeypatch, gather):
+    """With ds3_gather_for_generation=False, GRPO samples from the ZeRO-3 shards; so do the probes."""
+    import trl_statelens.callback as callback_module
+
+    trainer = probing_grpo_trainer(tmp_path, student_path, tokenizer, math_dataset, ds3_gather_for_generation=gather)
+    seen = []
+    original = callback_module.unwrap_model_for_generation
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("gather_deepspeed3_params", True))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(callback_module, "unwrap_model_for_generation", spy)
+    assert len(probe_callback(trainer)._sample_probes()) == 2
+    assert seen == [gather]
+
+
+class FakeMPSGenerator:
+    """Stands in for `torch.mps`'s RNG functions on a machine without MPS: a state that seeding overwrites."""
+
+    def __init__(self):
+        self.state = torch.tensor([7], dtype=torch.uint8)
+
+    def manual_seed(self, seed):
+        self.state = torch.tensor([seed % 256], dtype=torch.uint8)
+
+    def get_rng_state(self, device="mps"):
+        return self.state.clone()
+
+    def set_rng_state(self, state, device="mps"):
+        self.state = state.clone()
+
+
+@pytest.fixture
+def fake_mps(monkeypatch):
+    fake = FakeMPSGenerator()
+    for name in ("manual_seed", "get_rng_state", "set_rng_state"):
+        monkeypatch.setattr(torch.mps, name, getattr(fake, name))
+    return fake
+
+
+def test_probes_leave_other_devices_generators_alone(tmp_path, student_path, tokenizer, math_dataset, fake_mps):
+    """A probe on the CPU seeds the CPU generator only: `torch.manual_seed` would also reseed the MPS generator (a Mac
+    training on the CPU) and leave it so. The probe's samples do not depend on the training RNG."""
+    trainer = probing_grpo_trainer(tmp_path, student_path, tokenizer, math_dataset)
+    callback = probe_callback(trainer)
+    torch.manual_seed(123)  # (the fake is reseeded here too)
+    fake_mps.state = torch.tensor([7], dtype=torch.uint8)
+    cpu_state = torch.get_rng_state()
+    first = callback._sample_probes()
+    assert fake_mps.state.item() == 7 and torch.equal(torch.get_rng_state(), cpu_state)
+    torch.rand(5)
+    assert callback._sample_probes() == first
+
+
+def test_seeded_rng_on_mps_seeds_that_generator_and_restores_it(fake_mps):
+    """What the probe does on an MPS device, simulated with the fake generator (this machine has no MPS): inside, the
+    MPS and CPU generators are seeded; after, both are as they were. Real MPS sampling is not covered."""
+    from trl_statelens.callback import seeded_rng
+
+    cpu_state = torch.get_rng_state()
+    with seeded_rng(torch.device("mps"), 3):
+        assert fake_mps.state.item() == 3
+        inside = torch.rand(3)
+    assert fake_mps.state.item() == 7 and torch.equal(torch.get_rng_state(), cpu_state)
+    with seeded_rng(torch.device("mps"), 3):
+        assert torch.equal(torch.rand(3), inside)

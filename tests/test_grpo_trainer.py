@@ -117,3 +117,50 @@ def test_learner_states_have_no_offpolicy_gap_and_match_the_masks(
             assert len(set(state["weight"])) == 1  # one advantage per sequence
         # Group-normalised advantages: each group of num_generations completions sums to about 0
         assert abs(sum(state["weight"][0] for state in step_states)) < 1e-3
+
+
+@pytest.mark.parametrize("drop", ["top_entropy_quantile", "off_policy_mask_threshold", "vllm_token_mask"])
+def test_records_count_only_the_tokens_the_grpo_loss_counts(tmp_path, student_path, tokenizer, prompt_dataset, drop):
+    """GRPO drops tokens from its policy loss beyond the completion mask: the records drop the same ones."""
+    settings = {"top_entropy_quantile": dict(top_entropy_quantile=0.5)}.get(drop, {})
+    if drop == "off_policy_mask_threshold":  # KL is 0 on fresh rollouts: a negative threshold drops A < 0 sequences
+        settings = dict(off_policy_mask_threshold=-1.0)
+    trainer = StateLensGRPOTrainer(
+        model=str(student_path),
+        reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],  # A < 0 for some
+        args=grpo_config(tmp_path, drop, max_steps=2, **settings),
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    expected = []
+    entropy_masks = []
+    high_entropy_mask = trainer.get_high_entropy_mask
+    trainer.get_high_entropy_mask = lambda *args: entropy_masks.append(high_entropy_mask(*args)) or entropy_masks[-1]
+    compute_loss = trainer._compute_loss
+
+    def spy(model, inputs):
+        mask = inputs["completion_mask"].bool()
+        if drop == "vllm_token_mask":  # vLLM's "token_mask" mode zeroes the ratio of the tokens it drops
+            ratio = torch.ones(mask.shape)
+            ratio[:, ::3] = 0.0
+            inputs = {**inputs, "importance_sampling_ratio": ratio}
+            trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+        try:
+            loss = compute_loss(model, inputs)
+        finally:
+            trainer.use_vllm = False
+        if drop == "top_entropy_quantile":
+            mask &= entropy_masks[-1]
+        elif drop == "off_policy_mask_threshold":
+            mask &= (inputs["advantages"] >= 0)[:, None]
+        else:
+            mask &= ratio != 0
+        expected.append(int(mask.sum()))
+        return loss
+
+    trainer._compute_loss = spy
+    trainer.train()
+    steps = [json.loads(line) for line in (tmp_path / drop / "statelens" / "steps.jsonl").read_text().splitlines()]
+    assert [line["supervised_tokens"] for line in steps] == expected
+    completion_tokens = 2 * 4 * 8  # an upper bound: 2 steps of 4 completions of at most 8 tokens
+    assert 0 < sum(expected) < completion_tokens

@@ -102,3 +102,35 @@ def test_zero3_opd_with_teacher_states_when_a_rank_draws_none(tmp_path, student_
         assert rank["teacher_engine"] == "DeepSpeedEngine"
     # the case under test happened: a generation batch where one rank had teacher rows and the other none
     assert any(min(pair) == 0 < max(pair) for pair in zip(ranks[0]["teacher_rows"], ranks[1]["teacher_rows"]))
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_another_runs_ledger_is_refused_on_every_rank(tmp_path, student_path):
+    """The main process finds the ledger; every rank raises the same error, none is left waiting for the others."""
+    ledger = tmp_path / "run" / "statelens"
+    ledger.mkdir(parents=True)
+    (ledger / "steps.jsonl").write_text('{"step": 1}\n')
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(SCRIPT.parent / "ledger_refused_two_ranks.py"), str(student_path), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = launch.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        _, stderr = launch.communicate()
+        pytest.fail(f"a rank hung (no exit in 180 s): {stderr[-2000:]}")
+    outcomes = [
+        (tmp_path / f"rank{i}.txt").read_text() if (tmp_path / f"rank{i}.txt").exists() else None for i in (0, 1)
+    ]
+    assert all(o is not None and "holds another run's state ledger (steps.jsonl)" in o for o in outcomes), (
+        outcomes,
+        stderr[-3000:],
+    )
+    assert (ledger / "steps.jsonl").read_text() == '{"step": 1}\n'  # untouched

@@ -171,6 +171,66 @@ def test_state_source_mix_is_honoured_per_sample_and_recorded(tmp_path, student_
     assert [s["teacher_kl"] for s in steps] == pytest.approx(log_history(trainer, "teacher_kl"), rel=1e-4, abs=1e-6)
 
 
+def test_dataset_states_keep_their_reference_column_with_remove_unused_columns(
+    tmp_path, student_path, teacher_path, math_dataset
+):
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, max_steps=1, state_source_mix={"dataset": 1.0}, remove_unused_columns=True),
+        train_dataset=math_dataset,
+    )
+    batches = []
+    original = trainer._generate_and_score_completions
+
+    def spy(inputs):
+        batches.append((inputs, original(inputs)))
+        return batches[-1][1]
+
+    trainer._generate_and_score_completions = spy
+    trainer.train()
+    inputs, out = batches[0]
+    assert set(inputs[0]) == {"prompt", "completion"}  # the other columns were removed, the reference kept
+    for ids, mask, row in zip(out["completion_ids"], out["completion_mask"], inputs):
+        text = trainer._tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+        assert text == row["completion"][: len(text)] and len(text) > 10
+
+
+@pytest.mark.parametrize("resume_at, refused", [(1, True), (2, False)])
+def test_resume_inside_a_generation_batch_is_refused(
+    tmp_path, student_path, teacher_path, math_dataset, resume_at, refused
+):
+    """steps_per_generation=2 micro-batches with gradient_accumulation_steps=1: a generation batch spans two steps,
+    so checkpoint-1 sits inside one and checkpoint-2 at its end."""
+
+    def trainer(max_steps):
+        config = dict(signal="continuation", continuation_length=2, max_completion_length=4, steps_per_generation=2)
+        return OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=str(teacher_path),
+            args=opd_config(
+                tmp_path,
+                max_steps=max_steps,
+                per_device_train_batch_size=2,
+                save_strategy="steps",
+                save_steps=1,
+                **config,
+            ),
+            train_dataset=math_dataset,
+            state_logging=False,
+        )
+
+    trainer(resume_at).train()
+    resumed = trainer(3)
+    checkpoint = str(tmp_path / f"checkpoint-{resume_at}")
+    if refused:
+        with pytest.raises(ValueError, match="checkpoint-1: it was saved after 1 micro-batches, inside a generation"):
+            resumed.train(resume_from_checkpoint=checkpoint)
+    else:
+        resumed.train(resume_from_checkpoint=checkpoint)
+        assert resumed.state.global_step == 3
+
+
 def test_continuation_ledger_has_no_teacher_kl(tmp_path, student_path, math_trained_path, math_dataset):
     trainer = OnPolicyDistillTrainer(
         model=str(student_path),
@@ -240,6 +300,31 @@ def test_missing_prompt_column_is_rejected(tmp_path, student_path, teacher_path)
     with pytest.raises(ValueError, match="no 'prompt' column"):
         OnPolicyDistillTrainer(
             model=str(student_path), teacher_model=str(teacher_path), args=opd_config(tmp_path), train_dataset=data
+        )
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_image_dataset_is_refused_before_any_model_loads(tmp_path, column):
+    from PIL import Image
+
+    image = Image.new("RGB", (4, 4), color=(255, 0, 0))
+    prompt = [{"role": "user", "content": "What color is this square?"}]
+    data = Dataset.from_dict({"prompt": [prompt], column: [image if column == "image" else [image]]})
+    # Paths that do not exist: the refusal comes before the student or the teacher is loaded
+    with pytest.raises(ValueError, match=f"image column \\('{column}'\\): OnPolicyDistillTrainer supports text only"):
+        OnPolicyDistillTrainer(
+            model=str(tmp_path / "no-student"),
+            teacher_model=str(tmp_path / "no-teacher"),
+            args=opd_config(tmp_path),
+            train_dataset=data,
+        )
+    with pytest.raises(ValueError, match="image column"):  # evaluation data too
+        OnPolicyDistillTrainer(
+            model=str(tmp_path / "no-student"),
+            teacher_model=str(tmp_path / "no-teacher"),
+            args=opd_config(tmp_path),
+            train_dataset=data.remove_columns(column),
+            eval_dataset={"vision": data},
         )
 
 

@@ -177,3 +177,29 @@ def test_aggregation_runs_on_the_cpu_not_in_float64_on_the_device():
         on_device.logp.double()
     assert aggregate_states(on_device) == pytest.approx(aggregate_states(on_cpu))
     assert prefix_len_histogram(on_device) == prefix_len_histogram(on_cpu) == [2, 4]
+
+
+def records_with_prefix_lengths(prefix_len):
+    n = prefix_len.numel()
+    zeros, ones = torch.zeros(1).expand(n), torch.ones(1, dtype=torch.long).expand(n)
+    return StateRecords(
+        ones * 0, ones * 0, prefix_len, ones, zeros, zeros, zeros.new_full((1,), torch.nan).expand(n), zeros
+    )
+
+
+def test_prefix_length_quantiles_are_torch_quantiles_and_have_no_size_limit():
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 1000):
+        prefix_len = torch.randint(0, 50, (n,), generator=generator)  # ties included
+        metrics = aggregate_states(records_with_prefix_lengths(prefix_len))
+        expected = torch.quantile(prefix_len.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+        assert [metrics["prefix_len/p10"], metrics["prefix_len/p50"], metrics["prefix_len/p90"]] == expected
+    # One step with more than 2**24 supervised tokens, where torch.quantile refuses its input
+    n = 2**24 + 1
+    prefix_len = torch.arange(n).flip(0)
+    with pytest.raises(RuntimeError, match="too large"):
+        torch.quantile(prefix_len.double(), 0.5)
+    metrics = aggregate_states(records_with_prefix_lengths(prefix_len))
+    assert metrics["prefix_len/p50"] == 2**23  # the values are 0..2**24, so quantile q is q * 2**24
+    assert metrics["prefix_len/p10"] == pytest.approx(0.1 * 2**24, abs=1e-6)
+    assert metrics["prefix_len/p90"] == pytest.approx(0.9 * 2**24, abs=1e-6)

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens.records import source_code
 from trl_statelens.served_teacher import ServedTeacher, TeacherServerError
 
 TWO_RANKS = Path(__file__).parent / "scripts" / "served_teacher_two_ranks.py"
@@ -71,13 +73,37 @@ def test_greedy_continuations_are_the_teachers_from_each_prefix(teacher_server, 
 def test_sampled_continuations_follow_the_seed_and_stop_at_eos(teacher_server, tokenizer):
     client = served(teacher_server.url, tokenizer)
     prefixes, _ = _sequences(tokenizer)
-    first = client.generate(prefixes, 8, [tokenizer.eos_token_id], top_k=20, seed=3)
-    assert first == client.generate(prefixes, 8, [tokenizer.eos_token_id], top_k=20, seed=3)
+    first = client.generate(prefixes, 8, [tokenizer.eos_token_id], top_k=20, seeds=[3, 4, 5])
+    assert first == client.generate(prefixes, 8, [tokenizer.eos_token_id], top_k=20, seeds=[3, 4, 5])
     assert all(1 <= len(c) <= 8 for c in first)
     # An eos id the server does not stop at still ends the continuation, where the student's eos is
     stop = first[0][1]
-    cut = client.generate(prefixes[:1], 8, [stop], top_k=20, seed=3)[0]
+    cut = client.generate(prefixes[:1], 8, [stop], top_k=20, seeds=[3])[0]
     assert cut == first[0][: first[0].index(stop) + 1]
+
+
+def test_the_server_seeds_every_prompt_of_a_request_alike_as_vllm(teacher_server, tokenizer):
+    """vLLM gives each prompt of a request a generator seeded with the request's `seed`: identical prompts sample
+    identically, and sample j of `n` uses `seed + j`. Unseeded, every prompt draws its own noise."""
+    client = served(teacher_server.url, tokenizer).client
+    prompt = _sequences(tokenizer)[0][0]
+    seeded = client.generate([prompt] * 3, max_tokens=12, generation_kwargs={"seed": 7})["completion_ids"]
+    assert seeded[0] == seeded[1] == seeded[2]
+    pairs = client.generate([prompt], n=2, max_tokens=12, generation_kwargs={"seed": 7})["completion_ids"]
+    assert pairs[0] == seeded[0] and pairs[1] != pairs[0]
+    assert pairs[1] == client.generate([prompt], max_tokens=12, generation_kwargs={"seed": 8})["completion_ids"][0]
+    unseeded = client.generate([prompt] * 3, max_tokens=12)["completion_ids"]
+    assert len({tuple(row) for row in unseeded}) == 3
+
+
+def test_identical_prefixes_get_their_own_teacher_samples(teacher_server, tokenizer):
+    client = served(teacher_server.url, tokenizer)
+    prefix = _sequences(tokenizer)[0][0]
+    eos = [tokenizer.eos_token_id]
+    rows = client.generate([prefix] * 4, 12, eos, seeds=[11, 12, 13, 14])
+    assert len({tuple(row) for row in rows}) == 4
+    assert rows == client.generate([prefix] * 4, 12, eos, seeds=[11, 12, 13, 14])
+    assert rows[1] == client.generate([prefix], 12, eos, seeds=[12])[0]  # a row's sample is its seed's alone
 
 
 def test_unreachable_server_fails_fast_with_a_clear_error(tokenizer):
@@ -263,7 +289,7 @@ def test_overlapped_scoring_gives_the_same_teacher_logps_and_loss(
         runs[True],
         runs[False],
     )
-    assert threads_on == ["teacher-server_0"] * 2 and threads_off == ["MainThread"] * 2  # one request per generation
+    assert threads_on == ["teacher-server"] * 2 and threads_off == ["MainThread"] * 2  # one request per generation
     assert len(resolved_on) == len(resolved_off) == 4
     for on, off in zip(resolved_on, resolved_off):
         assert (on != 0).sum() > 20 and torch.equal(on, off)  # bit for bit, in the same shuffled order
@@ -288,8 +314,22 @@ def test_a_failed_background_request_stops_training_before_the_update(
         with pytest.raises(TeacherServerError, match=message):
             trainer.train()
         assert server.failed == (2 if status == 503 else 1)
-    assert threads == ["teacher-server_0"] and resolved == []  # it failed in the background, raised in the loss
+    assert threads == ["teacher-server"] and resolved == []  # it failed in the background, raised in the loss
     assert all(torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
+
+
+@pytest.mark.slow
+def test_a_crash_with_a_request_in_flight_exits_at_once(tmp_path, student_path, teacher_path):
+    """The step's scoring request waits on a one-minute answer when the reward function raises: the process exits
+    within seconds, not once the request is answered (or has timed out, retries included)."""
+    script = Path(__file__).parent / "scripts" / "served_teacher_crash.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(student_path), str(teacher_path), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    exited = time.time()
+    assert result.returncode != 0 and "ZeroDivisionError: a bug in the reward function" in result.stderr
+    crashed = float(result.stdout.split("crashed ")[1].split()[0])
+    assert exited - crashed < 15.0  # the answer would have come after 60 s
 
 
 @pytest.mark.slow
@@ -314,8 +354,10 @@ def test_continuation_and_teacher_states_train_through_the_server(
     start = [p.detach().clone() for p in trainer.model.parameters()]
     batches = spy_batches(trainer)
     trainer.train()
-    # the vocabulary probe, then per step: teacher rollouts (when a row drew the teacher), continuations, scoring
-    assert 1 + 2 * 2 <= teacher_server.requests - before <= 1 + 2 * 3
+    # the vocabulary probe, then per step: a request per teacher rollout and per continuation (each row has its own
+    # seed), and one scoring request
+    teacher_rows = sum(int((batch["row_source"] == source_code("teacher")).sum()) for batch in batches)
+    assert teacher_server.requests - before == 1 + teacher_rows + 2 * (8 + 1)
     for batch in batches:
         continuation = batch["loss_mask"].sum(1)
         assert (continuation >= 1).all() and (continuation <= 6).all()
@@ -323,6 +365,36 @@ def test_continuation_and_teacher_states_train_through_the_server(
     assert any(not torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
     states = read_jsonl(tmp_path / "statelens" / "states.jsonl")
     assert {s["source"] for s in states} == {"learner", "teacher"}
+
+
+def test_teacher_rows_and_continuations_of_one_prefix_are_sampled_apart_and_reproducibly(
+    tmp_path, teacher_server, student_path, math_dataset
+):
+    """A prompt's teacher rows (num_generations of them) share their prefix, the prompt: each gets its own teacher
+    sample. So do identical continuation prefixes. The same run seed gives the same samples."""
+
+    def trainer(name):
+        return OnPolicyDistillTrainer(
+            model=str(student_path),
+            args=opd_config(
+                tmp_path / name, teacher_model_server_url=teacher_server.url, state_source_mix={"teacher": 1.0}
+            ),
+            train_dataset=math_dataset,
+            state_logging=False,
+        )
+
+    runs = []
+    for name in ("first", "again"):
+        opd = trainer(name)
+        batches = spy_batches(opd)
+        opd.train()
+        prefix = opd._tokenizer(math_dataset[0]["prompt"])["input_ids"]
+        runs.append((batches[0]["completion_ids"].tolist(), opd._teacher_generate([prefix] * 4, 8)))
+    rows, continuations = runs[0]
+    # GRPO repeats each prompt num_generations=2 times in a row: rows 2i and 2i+1 are one prompt's
+    assert all(rows[i] != rows[i + 1] for i in range(0, len(rows), 2)), rows
+    assert len({tuple(c) for c in continuations}) == 4
+    assert runs[1] == runs[0]
 
 
 def test_divergence_and_other_temperatures_are_rejected_with_a_server(tmp_path):

@@ -11,7 +11,8 @@ Not part of the package: users run vLLM. This serves a transformers causal LM on
     `1..K` (`K=-1`: the whole vocabulary, `K=0`: the actual token only), computed at temperature 1 whatever the
     request's temperature (vLLM scores prompts with unscaled logits), `-inf` sent as `-9999.0`;
   - generation: `max_tokens` tokens sampled with the request's temperature/top_p/top_k/min_p/repetition_penalty
-    (temperature 0 is greedy; `seed` seeds it), stopping at the model's eos (kept, `finish_reason` `"stop"`);
+    (temperature 0 is greedy; as in vLLM, `seed` seeds every prompt of the request alike, sample `j` of `n` with
+    `seed + j`), stopping at the model's eos (kept, `finish_reason` `"stop"`);
     `token_ids`/`prompt_token_ids` with `return_token_ids`; `logprobs` (`{"text_offset", "token_logprobs", "tokens",
     "top_logprobs"}`, log-probs after temperature and truncation as `--logprobs-mode processed_logprobs`) when asked;
 - errors as vLLM shapes them: `{"error": {"message", "type", "param", "code"}}` with 400 (bad request) or 404
@@ -159,26 +160,27 @@ class TestTeacherServer:
                 )
 
         choices = []
-        seed = body.get("seed")
-        seed = self._seeds.randrange(2**31) if seed is None else seed
         prefill_only = num_prompt_logprobs is not None and max_tokens == 1 and n == 1 and num_logprobs is None
         # Sampling never touches the caller's random state: tests run the server in the trainer's process. A scoring
         # request (prefill only) draws from its own generator, and generation forks the global RNG and restores it:
         # done for a scoring request sent from the trainer's background thread, that restore would rewind the RNG
         # the training thread keeps drawing from meanwhile.
-        generator = torch.Generator().manual_seed(seed)
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[], enabled=not prefill_only):
-            if not prefill_only:
-                torch.manual_seed(seed)
             scored = None if num_prompt_logprobs is None else self._score(prompts)
             for i, prompt in enumerate(prompts):
+                # As vLLM: each prompt is its own engine request, whose generator is seeded with the request's `seed`
+                # (so identical prompts sample identically), and sample j of n with `seed + j`; unseeded, each prompt
+                # draws its own noise
+                seed = body.get("seed")
+                seed = self._seeds.randrange(2**31) if seed is None else seed
                 prompt_logprobs = None
                 if scored is not None:
                     prompt_logprobs = self._prompt_logprobs(prompt, scored[i][0], num_prompt_logprobs)
                 if prefill_only:  # vLLM's prefill gives the one token
+                    generator = torch.Generator().manual_seed(seed)
                     samples = [self._first_token(scored[i][1], body.get("temperature", 1.0), generator)]
                 else:
-                    samples = self._sample(prompt, body, n, max_tokens)
+                    samples = [self._sample(prompt, body, max_tokens, seed + j) for j in range(n)]
                 for sample in samples:
                     choices.append(
                         {
@@ -251,7 +253,7 @@ class TestTeacherServer:
             entries.append(entry)
         return entries
 
-    def _sample(self, prompt: list[int], body: dict, n: int, max_tokens: int) -> list[dict]:
+    def _sample(self, prompt: list[int], body: dict, max_tokens: int, seed: int) -> dict:
         temperature = body.get("temperature", 1.0)
         top_k = body.get("top_k", 0)
         config = GenerationConfig(
@@ -262,30 +264,26 @@ class TestTeacherServer:
             top_k=top_k if top_k and top_k > 0 else 0,
             min_p=body.get("min_p", 0.0) or None,
             repetition_penalty=body.get("repetition_penalty", 1.0),
-            num_return_sequences=n,
             eos_token_id=sorted(self.eos_token_ids),
             pad_token_id=self.tokenizer.pad_token_id,
             output_scores=True,
             return_dict_in_generate=True,
         )
         input_ids = torch.tensor([prompt])
+        torch.manual_seed(seed)
         out = self.model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
         )
         # Scores are the processed logits (temperature, truncation): log_softmax gives processed log-probs
-        step_logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # (n, steps, V)
-        samples = []
-        for row, logprobs in zip(out.sequences[:, len(prompt) :].tolist(), step_logprobs):
-            ends = [j for j, t in enumerate(row) if t in self.eos_token_ids]
-            token_ids = row[: ends[0] + 1] if ends else row
-            samples.append(
-                {
-                    "token_ids": token_ids,
-                    "logprobs": logprobs[: len(token_ids)],
-                    "finish_reason": "stop" if ends else "length",
-                }
-            )
-        return samples
+        logprobs = torch.stack(out.scores, dim=1)[0].float().log_softmax(-1)  # (steps, V)
+        row = out.sequences[0, len(prompt) :].tolist()
+        ends = [j for j, t in enumerate(row) if t in self.eos_token_ids]
+        token_ids = row[: ends[0] + 1] if ends else row
+        return {
+            "token_ids": token_ids,
+            "logprobs": logprobs[: len(token_ids)],
+            "finish_reason": "stop" if ends else "length",
+        }
 
     def _completion_logprobs(self, sample: dict, num_logprobs: int | None, body: dict) -> dict | None:
         if num_logprobs is None:

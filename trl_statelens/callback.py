@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import unwrap_model_for_generation
 
@@ -119,6 +121,8 @@ class StateLoggingCallback(TrainerCallback):
                 "StateLensGRPOTrainer); this run logs probe drift only.",
                 type(self.trainer).__name__,
             )
+        if state.global_step == 0:
+            self._check_no_ledger_on_every_rank(state)
         if state.is_world_process_zero:
             self._prepare_ledger(resumed_at=state.global_step)
         if self.probe_prompts is not None:
@@ -162,14 +166,24 @@ class StateLoggingCallback(TrainerCallback):
             if math.isfinite(value):
                 store["train"][METRIC_PREFIX + name].append(value)
 
-    def _prepare_ledger(self, resumed_at: int) -> None:
-        """A fresh run starts an empty ledger; a resumed one keeps the lines up to the checkpoint's step.
+    def _check_no_ledger_on_every_rank(self, state) -> None:
+        """A fresh run refuses a folder holding another run's ledger (it would be lost). The main process, which owns
+        the ledger, checks; every rank raises its verdict, so none is left waiting in a collective for the others."""
+        refusal = None
+        if state.is_world_process_zero:
+            try:
+                check_no_ledger(self.ledger_dir.parent)
+            except ValueError as error:
+                refusal = str(error)
+        if self.trainer.accelerator.num_processes > 1:
+            refusal = broadcast_object_list([refusal])[0]
+        if refusal is not None:
+            raise ValueError(refusal)
 
-        A fresh run refuses a folder holding another run's ledger (it would be lost); a resumed one drops a torn last
-        line, which a run killed while writing leaves behind.
+    def _prepare_ledger(self, resumed_at: int) -> None:
+        """A fresh run starts an empty ledger (another run's was refused on every rank first); a resumed one keeps the
+        lines up to the checkpoint's step, dropping a torn last line, which a run killed while writing leaves behind.
         """
-        if resumed_at == 0:
-            check_no_ledger(self.ledger_dir.parent)
         self.ledger_dir.mkdir(parents=True, exist_ok=True)
         if resumed_at == 0:
             (self.ledger_dir / DRIFT_REFERENCE_FILE).unlink(missing_ok=True)
@@ -247,14 +261,15 @@ class StateLoggingCallback(TrainerCallback):
             unwrap_model_for_generation(
                 trainer.model_wrapped,
                 trainer.accelerator,
+                # GRPO-like trainers' setting: False samples from the ZeRO-3 shards, without gathering the whole model
+                gather_deepspeed3_params=getattr(trainer.args, "ds3_gather_for_generation", True),
                 generation_kwargs=getattr(trainer, "generation_kwargs", None),
                 gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,  # re-enabled as it was
             ) as model,
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            seeded_rng(device, self.probe_seed),
         ):
             was_training = model.training
             model.eval()
-            torch.manual_seed(self.probe_seed)
             output = model.generate(**inputs, generation_config=self._probe_generation_config(model))
             model.train(was_training)
         return tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
@@ -333,6 +348,21 @@ class StateLoggingCallback(TrainerCallback):
             pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
             self._number_tokens = torch.tensor([any(ch.isdigit() for ch in str(p)) for p in pieces])
         return self._number_tokens
+
+
+@contextmanager
+def seeded_rng(device: torch.device, seed: int):
+    """Inside, the CPU generator and `device`'s (CUDA, MPS, ...) are seeded with `seed`; on exit both are as they were.
+    No other generator is touched: `torch.manual_seed` would also reseed every other device type's (MPS's on a Mac)
+    without restoring it."""
+    accelerated = device.type != "cpu"
+    with torch.random.fork_rng(
+        devices=[device] if accelerated else [], device_type=device.type if accelerated else None
+    ):
+        torch.default_generator.manual_seed(seed)
+        if accelerated:
+            torch.get_device_module(device.type).manual_seed(seed)
+        yield
 
 
 def check_no_ledger(output_dir) -> None:

@@ -114,22 +114,73 @@ def check_probe_lengths(tokenizer, prompts: list[str], max_new_tokens: int, cont
         )
 
 
-class FiniteGradientsMixin:
-    """Stops training with a clear error at the first non-finite gradient norm, before the optimizer applies it.
+OVERFLOW_METRIC = "statelens/skipped_overflow_steps"
 
-    A NaN or infinite loss gives non-finite gradients, so this catches both. The weights keep the last finite step,
-    checkpoints and the ledger hold every finished step, and the run can resume from its last checkpoint (with, for
-    example, a lower learning rate). The norm is the one the trainer computes anyway (for clipping and logging), the
-    same on every rank, so all ranks stop together.
+
+class FiniteGradientsMixin:
+    """Stops training with a clear error at the first non-finite gradient that would reach the weights.
+
+    A NaN or infinite loss gives non-finite gradients, so this catches both. The norm is the one the trainer computes
+    anyway (for clipping and logging), the same on every rank, so all ranks stop together. Without a loss scaler the
+    error comes before the optimizer applies the step: the weights keep the last finite step, checkpoints and the
+    ledger hold every finished step, and the run can resume from its last checkpoint (with, for example, a lower
+    learning rate).
+
+    fp16 training scales the loss, and a step whose scaled gradients overflow is skipped by the loss scaler (which then
+    halves the scale): that is how fp16 finds its scale (PyTorch's `GradScaler` starts at 2**16), not an error. Such a
+    step is let through to the scaler, which skips it, and counted: `statelens/skipped_overflow_steps` in the training
+    logs is the number of steps skipped since the previous log (logged in every fp16 run). Training stops only once the scale is below 1: there the
+    gradients overflow without any scaling, as DeepSpeed stops at its minimum loss scale (1 by default). Under DeepSpeed
+    the engine has already stepped when the norm is known (accelerate steps it inside `backward`): a step it skipped is
+    counted; a non-finite step it applied (no overflow check, as in bf16) stops training, with the weights no longer
+    finite.
     """
+
+    _skipped_overflow_steps = 0  # since the last training log
+    _overflow_steps_in_run = 0
 
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        if grad_norm is None or math.isfinite(float(grad_norm)):
+            return grad_norm
+        step = self.state.global_step + 1
+        engine = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        scaler = self.accelerator.scaler
+        if engine is not None:
+            if not engine.engine.was_step_applied():
+                self._count_overflow_step()
+                return grad_norm
             raise FloatingPointError(
-                f"non-finite gradient norm ({float(grad_norm)}) in step {self.state.global_step + 1}, from a NaN or "
-                f"infinite loss or gradient: training stopped before the optimizer step, so the weights are those "
-                f"after step {self.state.global_step}. Finished steps are in the ledger and the last checkpoint; "
-                "resume from it with a lower learning_rate, max_grad_norm clipping, or fp32 instead of fp16."
+                f"non-finite gradient norm ({float(grad_norm)}) in step {step}, from a NaN or infinite loss or "
+                "gradient, and DeepSpeed applied the step (its engine steps inside backward, before the norm is known): "
+                f"the weights are no longer finite. Training stopped; the ledger and the last checkpoint hold the steps "
+                "before. Resume from that checkpoint with a lower learning_rate, max_grad_norm clipping or fp32."
             )
-        return grad_norm
+        if scaler is not None and scaler.is_enabled():
+            scale = scaler.get_scale()
+            if scale >= 1.0:  # the scaler skips this step (the optimizer never sees it) and halves its scale
+                self._count_overflow_step()
+                return grad_norm
+            raise FloatingPointError(
+                f"non-finite gradient norm ({float(grad_norm)}) in step {step} with the fp16 loss scale already down "
+                f"to {scale}, after {self._overflow_steps_in_run} overflow steps skipped: the gradients are not "
+                "finite even unscaled (a NaN or infinite loss, or values beyond fp16's range). Training stopped before "
+                f"the optimizer step, so the weights are those after step {step - 1}. Resume from the last checkpoint "
+                "with a lower learning_rate, or train in bf16 or fp32."
+            )
+        raise FloatingPointError(
+            f"non-finite gradient norm ({float(grad_norm)}) in step {step}, from a NaN or infinite loss or gradient: "
+            f"training stopped before the optimizer step, so the weights are those after step {step - 1}. Finished "
+            "steps are in the ledger and the last checkpoint; resume from it with a lower learning_rate, max_grad_norm "
+            "clipping, or fp32 instead of fp16."
+        )
+
+    def _count_overflow_step(self) -> None:
+        self._skipped_overflow_steps += 1
+        self._overflow_steps_in_run += 1
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and (self.args.fp16 or self._skipped_overflow_steps):  # training logs of fp16 runs
+            logs[OVERFLOW_METRIC] = self._skipped_overflow_steps
+            self._skipped_overflow_steps = 0
+        super().log(logs, start_time)

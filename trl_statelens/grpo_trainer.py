@@ -24,13 +24,16 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
     """[`~trl.GRPOTrainer`] that records, for every optimizer step, which states it supervised.
 
     Same arguments, same training: the records reuse the per-token log-probs and entropies the GRPO loss computes,
-    with no extra forward pass. Every completion token in the loss mask is a `learner` state; its prefix length is its
-    position in the completion, its weight the advantage the loss applies, and each sequence carries its reward.
+    with no extra forward pass. Every completion token the policy loss counts (its completion and tool masks, and the
+    `top_entropy_quantile`, `off_policy_mask_threshold` and vLLM importance-sampling masks when set) is a `learner`
+    state; its prefix length is its position in the completion, its weight the advantage the loss applies, and each
+    sequence carries its reward.
 
     Bad input (an empty dataset, no `prompt` column, a tokenizer without eos, a prompt that leaves no room for
     `max_completion_length` tokens in the model's context) is refused before training, with the fix in the message; a
     reward function that raises stops training with the step named, and a non-finite gradient stops it before the
-    optimizer applies it (docs/bad-input.md).
+    optimizer applies it, except an fp16 overflow step, which the loss scaler skips: counted in
+    `statelens/skipped_overflow_steps` (docs/bad-input.md).
 
     Args:
         *args, **kwargs: the arguments of [`~trl.GRPOTrainer`].
@@ -49,6 +52,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         context = context_length(self.model)
         check_prompt_lengths(self.train_dataset, self._tokenizer, context, self._tokens_after_prompt(), what)
         self._loss_logps_and_entropies = None
+        self._loss_masks = []
         attach_state_logging(self, state_logging)
 
     def _tokens_after_prompt(self) -> int:
@@ -88,7 +92,19 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
             self._loss_logps_and_entropies = (logps, entropies)
         return logps, entropies, aux_loss
 
+    # GRPO's loss drops tokens beyond its completion and tool masks: the high-entropy mask (`top_entropy_quantile`)
+    # and the off-policy sequence mask (`off_policy_mask_threshold`). The loss computes them once; keep them for the
+    # records, which count only the tokens the policy loss counts.
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        self._loss_masks.append(super().get_high_entropy_mask(entropies, mask, threshold))
+        return self._loss_masks[-1]
+
+    def get_off_policy_mask(self, **kwargs):
+        self._loss_masks.append(super().get_off_policy_mask(**kwargs))
+        return self._loss_masks[-1]
+
     def _compute_loss(self, model, inputs):
+        self._loss_masks = []
         loss = super()._compute_loss(model, inputs)
         if self.model.training and self._loss_logps_and_entropies is not None:
             logps, entropies = self._loss_logps_and_entropies
@@ -99,6 +115,11 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
                 if "tool_mask" not in inputs
                 else inputs["completion_mask"] * inputs["tool_mask"]
             )
+            for loss_mask in self._loss_masks:
+                mask = mask * loss_mask  # (B, T) entropy mask, (B, 1) off-policy mask
+            if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
+                # vLLM's "token_mask"/"sequence_mask" modes zero the ratio of the tokens they drop
+                mask = mask * (inputs["importance_sampling_ratio"] != 0)
 
             def align(completion_values):  # (B, T) completion values -> (B, P + T), zero over the prompt
                 return F.pad(completion_values, (num_prompt, 0))
@@ -106,7 +127,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
             advantages = inputs["advantages"]
             self._record_states(
                 input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-                supervised_mask=align(mask),
+                supervised_mask=align(mask.bool()),
                 logps=align(logps),
                 entropy=align(entropies),
                 source="learner",

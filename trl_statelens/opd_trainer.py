@@ -8,7 +8,8 @@ supervised (`state_source_mix`) and what the teacher says there (`signal`), and 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import math
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -76,7 +77,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
-            when the `dataset` state source is used.
+            when the `dataset` state source is used. Image datasets (an `image` or `images` column, what GRPO reads
+            images from) are refused: neither the loss nor the teacher would see the images.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
             `args.reward_weight`.
         eval_dataset, processing_class, callbacks, optimizers, peft_config, state_logging: as for
@@ -105,6 +107,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if not isinstance(args, OnPolicyDistillConfig):
             raise TypeError(f"args must be an OnPolicyDistillConfig, got {type(args).__name__}")
         _check_dataset(train_dataset, args)
+        _check_no_images(train_dataset, eval_dataset)
         if args.use_vllm and args.state_source_mix.get("learner", 0.0) < 1.0:
             raise ValueError(
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
@@ -148,9 +151,6 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if args.teacher_model_server_url is not None:
             self.teacher_model = None
             self.served_teacher = self._connect_teacher_server(teacher_path)
-            if args.teacher_server_overlap:
-                # One worker: a rank's scoring requests go out one at a time, in the order the batches were made
-                self._teacher_requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-server")
         else:
             self.served_teacher = None
             _check_same_vocabulary(self.model, self._tokenizer, teacher_model, teacher_path, args.signal)
@@ -173,28 +173,70 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
 
+    def train(self, *args, **kwargs):
+        if self.served_teacher is None or not self.args.teacher_server_overlap:
+            return super().train(*args, **kwargs)
+        from .served_teacher import BackgroundRequests
+
+        # One worker: a rank's scoring requests go out one at a time, in the order the batches were made. Shut down
+        # when training ends or fails, so that a crash does not leave the process waiting for a request in flight.
+        self._teacher_requests = BackgroundRequests("teacher-server")
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._teacher_requests.shutdown()
+            self._teacher_requests = None
+
     def _tokens_after_prompt(self) -> int:
         """A continuation can start at the rollout's last token: up to `continuation_length` more tokens."""
         extra = self.args.continuation_length if self.args.signal == "continuation" else 0
         return self.args.max_completion_length + extra
 
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        # The `dataset` state source reads each row's reference answer: keep its column with remove_unused_columns
+        if (
+            self.args.state_source_mix.get("dataset", 0.0) > 0
+            and self.args.reference_column not in self._signature_columns
+        ):
+            self._signature_columns = [*self._signature_columns, self.args.reference_column]
+
     # ----- checkpoints: the source/cut-point generator travels with the trainer's RNG states -----------------------
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         path = Path(output_dir) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
-        torch.save({"source_generator": self._source_generator.get_state()}, path)
+        # `micro_step`: GRPO's count of micro-batches, to tell at resume whether the checkpoint is inside a generation
+        torch.save({"source_generator": self._source_generator.get_state(), "micro_step": self._step}, path)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
         path = Path(checkpoint) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
-        if not path.is_file():
+        saved = torch.load(path, weights_only=True) if path.is_file() else {}
+        self._check_resume_at_generation_boundary(checkpoint, saved.get("micro_step"))
+        if not saved:
             logger.warning(
                 "%s not found: state sources and cut points after this resume differ from an uninterrupted run's", path
             )
             return
-        self._source_generator.set_state(torch.load(path, weights_only=True)["source_generator"])
+        self._source_generator.set_state(saved["source_generator"])
+
+    def _check_resume_at_generation_boundary(self, checkpoint: str, micro_step: int | None) -> None:
+        """GRPO keeps a generation batch's rollouts in memory only (and restarts its micro-batch count at 0): resumed
+        inside one, it would sample new rollouts for the rest of that batch and train some micro-batches twice."""
+        if micro_step is None:  # a checkpoint from before the count was saved: every window was full
+            micro_step = self.state.global_step * self.args.gradient_accumulation_steps
+        spg = self.args.steps_per_generation
+        if micro_step % spg != 0:
+            steps = spg // math.gcd(spg, self.args.gradient_accumulation_steps)
+            raise ValueError(
+                f"cannot resume from {checkpoint}: it was saved after {micro_step} micro-batches, inside a generation "
+                f"batch of steps_per_generation={spg} micro-batches (gradient_accumulation_steps="
+                f"{self.args.gradient_accumulation_steps}), whose rollouts a checkpoint does not hold; resuming would "
+                f"sample new ones for its rest and train some micro-batches twice. Resume from a checkpoint saved at a "
+                f"multiple of {steps} steps (set save_steps to one), or restart the run."
+            )
 
     def _connect_teacher_server(self, teacher_path: str | None):
         """A [`ServedTeacher`] on `args.teacher_model_server_url`, checked now: reachable, serving a model with the
@@ -305,7 +347,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 top_k=self.top_k,
                 min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty,
-                seed=int(torch.randint(2**31 - 1, (1,), generator=self._source_generator)),
+                # A seed per row (vLLM would sample a request's identical prefixes alike), drawn from the run's seed
+                seeds=torch.randint(2**31 - 1, (len(prefixes),), generator=self._source_generator).tolist(),
             )
         device = self.accelerator.device
         rows = [torch.tensor(p, dtype=torch.long) for p in prefixes]
@@ -791,6 +834,22 @@ def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
             f"state_source_mix uses 'dataset' states, which need reference answers in column "
             f"{args.reference_column!r}, absent from the dataset (columns: {columns}); set reference_column"
         )
+
+
+def _check_no_images(*datasets) -> None:
+    """GRPO would pass an `image`/`images` column to the student's rollouts, but OPD's loss and teacher scoring run
+    on token ids alone: the student would be trained, and the teacher would score, without the images."""
+    for dataset in datasets:
+        for split in dataset.values() if isinstance(dataset, dict) else [dataset]:
+            columns = getattr(split, "column_names", None) or []
+            found = [c for c in ("image", "images") if c in columns]
+            if found:
+                raise ValueError(
+                    f"the dataset has an image column ({found[0]!r}): OnPolicyDistillTrainer supports text only (its "
+                    "loss and the teacher see token ids, never the images). Drop the column "
+                    f"(dataset.remove_columns({found[0]!r})) to train on the text alone, or use TRL's GRPOTrainer or "
+                    "GOLDTrainer for vision-language data."
+                )
 
 
 def _vocab_size(model) -> int:

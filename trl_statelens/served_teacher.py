@@ -13,7 +13,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from unittest import mock
 
@@ -75,6 +78,60 @@ def _server_message(error: Exception) -> str:
     if isinstance(error, requests.HTTPError) and error.response is not None:
         return f"HTTP {error.response.status_code}: {error.response.text[:500]}"
     return f"{type(error).__name__}: {error}"
+
+
+class BackgroundRequests:
+    """Runs calls one at a time, in the order submitted, on a daemon thread, each answered through a `Future`.
+
+    Not a `concurrent.futures.ThreadPoolExecutor`: Python joins its worker threads at exit, so a process whose
+    training stopped (or crashed) with a request in flight would wait for that request, up to (retries + 1) times
+    the timeout. A daemon thread is dropped at exit; `shutdown` cancels the calls not started.
+    """
+
+    def __init__(self, name: str):
+        self._calls = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # raised where the answer is read
+                future.set_exception(error)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started and stop the thread after the one in flight, without waiting for it."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+
+
+def run_concurrently(fn, calls: list[tuple], max_workers: int) -> list:
+    """`[fn(*args) for args in calls]`, on up to `max_workers` daemon threads when there are several calls (not a
+    `ThreadPoolExecutor`, whose threads Python joins at exit: see [`BackgroundRequests`])."""
+    if len(calls) == 1:
+        return [fn(*calls[0])]
+    workers = [BackgroundRequests(f"teacher-request-{i}") for i in range(min(max_workers, len(calls)))]
+    try:
+        futures = [workers[i % len(workers)].submit(fn, *args) for i, args in enumerate(calls)]
+        return [future.result() for future in futures]
+    finally:
+        for worker in workers:
+            worker.shutdown()
 
 
 class ServedTeacher:
@@ -209,16 +266,28 @@ class ServedTeacher:
         at temperature 1 (vLLM scores prompts with unscaled logits, whatever the request's temperature)."""
         if not sequences:
             return []
-        result = self._request(
-            "scoring",
-            self.client.get_sequence_logprobs,
-            sequences,
-            prompt_lengths,
-            top_logprobs=0,  # the actual token only: vLLM always returns it, so nothing is truncated
-            chunk_size=self.chunk_size,
-            max_concurrent_requests=self.max_concurrent_requests,
+
+        # TRL's `get_sequence_logprobs` request and parsing, sent from daemon threads (see `run_concurrently`)
+        def score(chunk_sequences: list[list[int]], chunk_prompt_lengths: list[int]) -> list[list[float]]:
+            payload = {
+                "model": self.model,
+                "prompt": chunk_sequences,
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": 0,  # the actual token only: vLLM always returns it, so nothing is truncated
+            }
+            choices = self.client._post(f"{self.base_url}/v1/completions", json=payload)["choices"]
+            return [
+                VLLMClient._format_sequence_logprobs(choice, sequence, start, 0)["actual_logprobs"]
+                for choice, sequence, start in zip(choices, chunk_sequences, chunk_prompt_lengths, strict=True)
+            ]
+
+        size = self.chunk_size or len(sequences)
+        chunks = [(sequences[i : i + size], prompt_lengths[i : i + size]) for i in range(0, len(sequences), size)]
+        answers = run_concurrently(
+            lambda *chunk: self._request("scoring", score, *chunk), chunks, self.max_concurrent_requests
         )
-        logps = [[position[0] for position in row] for row in result["actual_logprobs"]]
+        logps = [[position[0] for position in row] for answer in answers for row in answer]
         for row, sequence, start in zip(logps, sequences, prompt_lengths, strict=True):
             if len(row) != len(sequence) - start or any(math.isinf(v) for v in row):
                 raise TeacherServerError(
@@ -237,16 +306,19 @@ class ServedTeacher:
         top_k: int = 0,
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
-        seed: int | None = None,
+        seeds: list[int] | None = None,
     ) -> list[list[int]]:
         """The teacher's continuation of each token prefix, at most `max_tokens` tokens sampled with the given
-        settings, ending at (and including) its first token in `eos_token_ids`."""
+        settings, ending at (and including) its first token in `eos_token_ids`.
+
+        With `seeds`, prefix `i` is sampled with seed `seeds[i]`, in a request of its own (up to
+        `max_concurrent_requests` at a time): vLLM seeds every prompt of a request with the request's one `seed`, so
+        identical prefixes in one request would get identical continuations, and different ones the same noise.
+        Without, one request for all prefixes, each sampled with its own unseeded noise.
+        """
         if not prefixes:
             return []
-        result = self._request(
-            "generation",
-            self.client.generate,
-            prefixes,
+        settings = dict(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k if top_k else 0,
@@ -254,10 +326,22 @@ class ServedTeacher:
             repetition_penalty=repetition_penalty,
             max_tokens=max_tokens,
             logprobs=None,
-            generation_kwargs=None if seed is None else {"seed": seed},
         )
+
+        def request(batch: list[list[int]], seed: int | None) -> list[list[int]]:
+            kwargs = None if seed is None else {"seed": seed}
+            result = self._request("generation", self.client.generate, batch, **settings, generation_kwargs=kwargs)
+            return result["completion_ids"]
+
+        if seeds is None:
+            rows = request(prefixes, None)
+        else:
+            if len(seeds) != len(prefixes):
+                raise ValueError(f"{len(seeds)} seeds for {len(prefixes)} prefixes: give one seed per prefix")
+            requests_ = [([prefix], seed) for prefix, seed in zip(prefixes, seeds)]
+            rows = [row for part in run_concurrently(request, requests_, self.max_concurrent_requests) for row in part]
         continuations = []
-        for row in result["completion_ids"]:
+        for row in rows:
             ends = [j for j, token in enumerate(row) if token in eos_token_ids]
             continuations.append(row[: ends[0] + 1] if ends else row)
         return [self._student_ids(continuation) for continuation in continuations]

@@ -31,7 +31,8 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
 
     Bad input (an empty dataset, no text/prompt/messages column, a tokenizer without eos, rows longer than the model's
     context) is refused before training, with the fix in the message; a non-finite gradient stops training before the
-    optimizer applies it (docs/bad-input.md).
+    optimizer applies it, except an fp16 overflow step, which the loss scaler skips: counted in
+    `statelens/skipped_overflow_steps` (docs/bad-input.md).
 
     Args:
         *args, **kwargs: the arguments of [`~trl.SFTTrainer`].
