@@ -686,7 +686,7 @@ def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
             if curve is not None:
                 score_ax.plot(*curve, color=style["color"], linestyle=line, marker=style["marker"], markersize=3,
                               label=run.label if line == "-" else None)  # fmt: skip
-    states_ax.set_title("Reverse KL to the teacher on probe states: own samples (solid), step-0 samples (dashed)")
+    states_ax.set_title("Reverse KL to the teacher on probe states: own (solid), step-0 samples (dashed)")
     kind_ax.set_title("... by token: number tokens (solid), the rest (dashed)")
     length_ax.set_title("Probe completion length (tokens)")
     score_ax.set_title("Target during training: greedy (solid), temperature-1 samples (dashed)")
@@ -697,6 +697,31 @@ def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
     finish_legend(states_ax)
     finish_legend(score_ax)
     return save(figure, out_dir, "teacher_disagreement.png")
+
+
+def plot_teacher_kl_by_prefix(runs, styles, out_dir) -> Path | None:
+    """Reverse KL to the teacher on the probe states by prefix-length bin, at the first probe step (dashed) and the
+    last (solid): which parts of the answers still disagree."""
+    with_bins = [run for run in runs if run.drift is not None and "teacher_kl_by_prefix" in run.drift]
+    if not with_bins:
+        return None
+    figure, (ax,) = new_figure()
+    num_bins = 1
+    for run in with_bins:
+        lines = [b for b in run.drift["teacher_kl_by_prefix"] if isinstance(b, list) and b]
+        if not lines:
+            continue
+        num_bins = max(num_bins, len(lines[0]), len(lines[-1]))
+        for bins, line, label in ((lines[0], "--", None), (lines[-1], "-", run.label)):
+            kl = np.array([np.nan if mean is None else mean for _, mean in bins], dtype=float)
+            ax.plot(np.arange(len(kl)), kl, color=styles[run.label]["color"], linestyle=line, marker="o",
+                    markersize=3, label=label)  # fmt: skip
+    ax.set_xticks(range(num_bins), [prefix_bin_label(k) for k in range(num_bins)], fontsize=8)
+    ax.set_xlabel("prefix length (tokens since the prompt)")
+    ax.set_ylabel("reverse KL to the teacher (nats per token)")
+    ax.set_title("Disagreement by position: first probe step (dashed), last (solid)")
+    finish_legend(ax)
+    return save(figure, out_dir, "teacher_kl_by_prefix.png")
 
 
 def plot_sample_efficiency(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
@@ -774,6 +799,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "Where the student disagrees with its teacher",
             lambda: plot_teacher_disagreement(runs, styles, out_dir),
             "no run has teacher_kl in `statelens/drift.jsonl` (a teacher in the trainer's process and probes)",
+        ),
+        (
+            "Where along the answer the student disagrees with its teacher",
+            lambda: plot_teacher_kl_by_prefix(runs, styles, out_dir),
+            "no run has teacher_kl_by_prefix in `statelens/drift.jsonl`",
         ),
         (
             "Target score vs supervised tokens",
