@@ -41,12 +41,14 @@ GRPO_ARMS = {
     "grpo_lr3e-4": ["--learning_rate", "3e-4"],
 }
 GRPO_FLAGS = ["--max_steps", "60", "--target_eval_steps", "10", "--probe_steps", "10", "--eval_samples", "0"]
+# The lab's mild SFT (recipes/sft.py, lab config) on the same dev protocol, for the equal-compute comparison
+SFT_FLAGS = ["--target_eval_steps", "10", "--probe_steps", "10"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/opd-diagnosis")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS, "sft"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--jobs", type=int, default=1, help="arms run at once, one process (one torch thread) each")
@@ -76,7 +78,10 @@ def main():
         folder = out / arm
         shutil.rmtree(folder / "statelens", ignore_errors=True)  # an unfinished run (no checkpoints) starts over
         folder.mkdir(parents=True, exist_ok=True)
-        if arm in GRPO_ARMS:  # later flags win: GRPO's own budget and evaluation cadence
+        if arm == "sft":
+            command = [sys.executable, str(RECIPES / "sft.py"), "--output_dir", str(folder), *common, "--max_steps",
+                       "60", *SFT_FLAGS]  # fmt: skip
+        elif arm in GRPO_ARMS:  # later flags win: GRPO's own budget and evaluation cadence
             command = [sys.executable, str(RECIPES / "grpo.py"), "--output_dir", str(folder), *common, *GRPO_FLAGS,
                        *GRPO_ARMS[arm]]  # fmt: skip
         else:
