@@ -34,6 +34,18 @@ ARMS = {
     "reverse_kl_lr1e-3": ["--signal", "reverse_kl", "--learning_rate", "1e-3", "--max_steps", "150"],
     "divergence_lr1e-3": ["--signal", "divergence", "--learning_rate", "1e-3", "--max_steps", "150"],
     "continuation_lr1e-3": ["--signal", "continuation", "--learning_rate", "1e-3", "--max_steps", "150"],
+    # one rollout per prompt, as the stock trainer draws (amendment 2 in STUDY.md)
+    "divergence_g1": ["--signal", "divergence", "--num_generations", "1", "--max_steps", "150"],
+    "divergence_g1_lr1e-3": [
+        "--signal",
+        "divergence",
+        "--num_generations",
+        "1",
+        "--learning_rate",
+        "1e-3",
+        "--max_steps",
+        "150",
+    ],
 }
 # The pre-registered GRPO budget candidates (recipes/grpo.py and its lab config), greedy dev scores every 10 steps
 GRPO_ARMS = {

@@ -651,3 +651,34 @@ def test_tool_mask_removes_tokens_from_the_loss(tmp_path, student_path, teacher_
     assert trainer._compute_loss(trainer.model, {**batch, "tool_mask": tool_mask}).item() == pytest.approx(full.item())
     tool_mask[:, :] = 0  # every completion token came from a tool
     assert trainer._compute_loss(trainer.model, {**batch, "tool_mask": tool_mask}).item() == 0.0
+
+
+@pytest.mark.parametrize("signal", ["reverse_kl", "divergence", "continuation"])
+def test_one_rollout_per_prompt_puts_a_distinct_prompt_in_every_row(
+    tmp_path, student_path, teacher_path, math_dataset, signal
+):
+    """num_generations=1 (TRL's DistillationTrainer draws one rollout per prompt): 8 rollouts, 8 prompts a step."""
+    seen = {}
+    for generations in (1, 2):
+        out = tmp_path / f"g{generations}"
+        trainer = OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=str(teacher_path),
+            args=opd_config(out, max_steps=2, signal=signal, num_generations=generations),
+            train_dataset=math_dataset,
+            callbacks=[StateLoggingCallback(sample_rate=1.0)],
+        )
+        trainer.train()
+        states = [json.loads(line) for line in (out / "statelens" / "states.jsonl").read_text().splitlines()]
+        for step in (1, 2):
+            # the question: the ledger's prompt text runs to the first supervised token (a continuation's cut)
+            prompts = [s["prompt"].split("\nAnswer:")[0] for s in states if s["step"] == step]
+            seen[generations, step] = (len(prompts), len(set(prompts)))
+        assert all(torch.isfinite(torch.tensor(log_history(trainer, "loss"))))
+    assert seen[1, 1] == seen[1, 2] == (8, 8)
+    assert seen[2, 1] == seen[2, 2] == (8, 4)
+
+
+def test_one_rollout_per_prompt_refuses_a_reward_advantage(tmp_path):
+    with pytest.raises(ValueError, match="num_generations=1 with reward_weight"):
+        opd_config(tmp_path, num_generations=1, reward_weight=0.5)

@@ -43,6 +43,11 @@ class OnPolicyDistillConfig(GRPOConfig):
     Notation: $s_t$ is a state (prompt plus prefix), $y_t$ the token that follows it, $p_S$ the student and $p_T$ the
     teacher.
 
+    `num_generations` may be `1` (GRPO requires at least 2 for its group advantage): with the teacher's per-token
+    signal no group is needed, and one rollout per prompt puts as many distinct prompts in a step as rollouts, as TRL's
+    `DistillationTrainer` does (the lab diagnosis in STUDY.md measured what that changes). It needs
+    `reward_weight=0`.
+
     Parameters:
         signal (`str`, *optional*, defaults to `"reverse_kl"`):
             What the teacher supplies at each supervised state:
@@ -191,7 +196,21 @@ class OnPolicyDistillConfig(GRPOConfig):
         self._check_grpo_loss_settings()
         if self.teacher_model_server_url is not None:
             self._check_teacher_server_settings()
+        # One rollout per prompt (TRL's DistillationTrainer draws one): GRPO refuses fewer than 2 because its
+        # advantage needs a group; distillation's teacher supplies a per-token signal with no group to compare to
+        one_rollout_per_prompt = self.num_generations == 1
+        if one_rollout_per_prompt and self.reward_weight != 0.0:
+            raise ValueError(
+                "num_generations=1 with reward_weight != 0: GRPO's reward advantage compares rollouts of the same "
+                "prompt, so it needs num_generations >= 2; use num_generations >= 2 or reward_weight=0.0"
+            )
+        if one_rollout_per_prompt:
+            self.num_generations = 2  # passes GRPO's group check; restored below
         super().__post_init__()
+        if one_rollout_per_prompt:
+            self.num_generations = 1
+            if self.num_generations_eval in (None, 2):
+                self.num_generations_eval = 1
         if self.signal == "reverse_kl" and self.gradient_accumulation_steps % self.steps_per_generation != 0:
             raise ValueError(
                 f"steps_per_generation={self.steps_per_generation} does not divide gradient_accumulation_steps="
