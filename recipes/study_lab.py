@@ -85,6 +85,9 @@ def main():
     parser.add_argument("--model_name_or_path", default="lab", help="the base model every run starts from")
     parser.add_argument("--smoke", action="store_true", help="two tiny steps per run (the CI test of the chain)")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, one process each (one torch thread)")
+    parser.add_argument(
+        "--runs", nargs="+", choices=[name for name, *_ in RUNS], help="only these runs (default: all)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +125,7 @@ def main():
         folders = {name: seed_dir / name for name, *_ in RUNS}
         for name, recipe, config, extra in RUNS:
             folder = folders[name]
-            if (folder / "results.json").exists():
+            if (folder / "results.json").exists() or (args.runs and name not in args.runs):
                 continue
             print(f"seed {seed}: {name}", flush=True)
             shutil.rmtree(folder / "statelens", ignore_errors=True)  # an unfinished run (no checkpoints) starts over
@@ -132,8 +135,11 @@ def main():
             command = [sys.executable, str(RECIPES / f"{recipe}.py"), "--config", str(CONFIGS / config), "--seed", str(seed),
                        "--output_dir", str(folder), "--eval_before", "false", *model, *smoke, *flags]  # fmt: skip
             run(command, folder / "log.txt")
-        write_report([folders[name] for name, *_ in RUNS], seed_dir / "report", base=base)
-
+        if all((folders[name] / "results.json").exists() for name in folders):
+            write_report([folders[name] for name, *_ in RUNS], seed_dir / "report", base=base)
+    if not all((out / f"seed{seed}" / name / "results.json").exists() for seed in args.seeds for name, *_ in RUNS):
+        print("some runs are not done yet (--runs): no report or summary")
+        return
     summary = summarize(out, args.seeds)
     comparisons = compare_runs(out, args.seeds)
     minutes = (time.perf_counter() - started) / 60
