@@ -144,6 +144,12 @@ def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student
     flops, scores = compute_curve(run)
     assert flops.tolist() == [0.0, per_token * logged_tokens[2], per_token * logged_tokens[4], compute["flops"]]
     assert scores.tolist() == y.tolist()
+    # the report's compute table: the first evaluation reaching start + 0.05 (here, a 4-item score moves by 0.25)
+    gained = [i for i, score in enumerate(scores) if score >= scores[0] + 0.05 - 1e-9]
+    expected = f"{flops[gained[0]]:.2e}" if gained else "not reached"
+    table = (tmp_path / "report" / "report.md").read_text().split("## Compute to reach a target score")[1]
+    row = next(line for line in table.splitlines() if line.startswith(f"| {run.label} |"))
+    assert row.split(" | ")[1:3] == [f"{scores[0]:.3f}", expected]
 
 
 def matmul_parameters_of(path) -> int:

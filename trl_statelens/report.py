@@ -436,6 +436,40 @@ def state_table(runs: list[Run]) -> list[Block]:
     ]
 
 
+COMPUTE_GAINS = (0.05, 0.10)  # target-score gains over the start for the compute table
+
+
+def compute_table(runs: list[Run]) -> list[Block]:
+    """Training FLOPs each run needed to first reach its start score + each of `COMPUTE_GAINS` on the target
+    (evaluations during training), next to its total compute and final score."""
+    rows = []
+    for run in runs:
+        curve = compute_curve(run)
+        if curve is None:
+            continue
+        flops, scores = curve
+        start = scores[0]
+        reached = []
+        for gain in COMPUTE_GAINS:
+            hit = np.nonzero(scores >= start + gain - 1e-9)[0]
+            reached.append(f"{flops[hit[0]]:.2e}" if hit.size else "not reached")
+        rows.append([run.label, f"{start:.3f}", *reached, f"{flops[-1]:.2e}", f"{scores[-1]:.3f}"])
+    if not rows:
+        return []
+    gains = [f"FLOPs to start + {gain:.2f}" for gain in COMPUTE_GAINS]
+    return [
+        Block("heading", "Compute to reach a target score"),
+        Block("table", header=["Run", "start", *gains, "total FLOPs", "final"], rows=rows),
+        Block(
+            "text",
+            "FLOPs counted from the models' sizes and the tokens processed (results.json `compute`: 2 per parameter "
+            "and token forward, 6 forward and backward; generation and teacher included), at the first evaluation "
+            "during training whose target score reaches the start score plus the gain. One evaluation of 100 "
+            "problems moves by about 0.04 by chance, so a single crossing is noisy.",
+        ),
+    ]
+
+
 # ----- plots -------------------------------------------------------------------------------------------------------
 def new_figure(size=FIGURE_SIZE, rows: int = 1):
     """A figure on the Agg canvas directly: no pyplot, so no global backend switch and no figures left open."""
@@ -949,6 +983,7 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
         table2(runs, base_scores, base_source)
         + state_table(runs)
         + plot_blocks(runs, out_dir, base_scores)
+        + compute_table(runs)
         + run_notes(runs)
     )
     states_path = write_states_page(runs, out_dir / "states.html")
