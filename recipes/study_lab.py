@@ -48,10 +48,10 @@ ITEM_SCORE = {"gsm8k": "correct_strict", "truthfulqa": "mc1", "mmlu": "correct"}
 COMPARISONS = [
     ("1. mild SFT helps the target, forgets little", "mild_sft", "base"),
     ("1. stress SFT forgets", "stress_sft", "base"),
-    ("2. OPD student (continuation) vs its degraded teacher", "opd_from_stress_sft", "stress_sft"),
+    ("2. OPD student (divergence) vs its degraded teacher", "opd_from_stress_sft", "stress_sft"),
     ("2. OPD student (reverse_kl) vs its degraded teacher", "opd_rkl_from_stress_sft", "stress_sft"),
     ("2. stock DistillationTrainer student vs the degraded teacher", "stock_opd_from_stress_sft", "stress_sft"),
-    ("2. OPD student (continuation) vs the base", "opd_from_stress_sft", "base"),
+    ("2. OPD student (divergence) vs the base", "opd_from_stress_sft", "base"),
     ("2. OPD student (reverse_kl) vs the base", "opd_rkl_from_stress_sft", "base"),
     ("OPD from the mild teacher vs the base", "opd_from_mild_sft", "base"),
     ("3. GRPO helps the target, keeps retention", "grpo", "base"),
