@@ -720,7 +720,7 @@ def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
             if curve is not None:
                 score_ax.plot(*curve, color=style["color"], linestyle=line, marker=style["marker"], markersize=3,
                               label=run.label if line == "-" else None)  # fmt: skip
-    states_ax.set_title("Reverse KL to the teacher on probe states: own (solid), step-0 samples (dashed)")
+    states_ax.set_title("Reverse KL to the teacher, probe states: own (solid), step-0 (dashed)")
     kind_ax.set_title("... by token: number tokens (solid), the rest (dashed)")
     length_ax.set_title("Probe completion length (tokens)")
     score_ax.set_title("Target during training: greedy (solid), temperature-1 samples (dashed)")
