@@ -720,6 +720,9 @@ def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
             if curve is not None:
                 score_ax.plot(*curve, color=style["color"], linestyle=line, marker=style["marker"], markersize=3,
                               label=run.label if line == "-" else None)  # fmt: skip
+    if not score_ax.lines:
+        score_ax.text(0.5, 0.5, "no target scores during training (recipes: --target_eval_steps N)", ha="center",
+                      va="center", transform=score_ax.transAxes)  # fmt: skip
     states_ax.set_title("Reverse KL to the teacher, probe states: own (solid), step-0 (dashed)")
     kind_ax.set_title("... by token: number tokens (solid), the rest (dashed)")
     length_ax.set_title("Probe completion length (tokens)")
