@@ -439,12 +439,12 @@ def state_table(runs: list[Run]) -> list[Block]:
 COMPUTE_GAINS = (0.05, 0.10)  # target-score gains over the start for the compute table
 
 
-def compute_table(runs: list[Run]) -> list[Block]:
+def compute_table(runs: list[Run], base_scores: dict | None = None) -> list[Block]:
     """Training FLOPs each run needed to first reach its start score + each of `COMPUTE_GAINS` on the target
     (evaluations during training), next to its total compute and final score."""
     rows = []
     for run in runs:
-        curve = compute_curve(run)
+        curve = compute_curve(run, base_scores)
         if curve is None:
             continue
         flops, scores = curve
@@ -665,22 +665,24 @@ def training_flops(run: Run, steps) -> np.ndarray | None:
     return np.where(steps > 0, flops, 0.0)
 
 
-def compute_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
-    """(training FLOPs so far, target score) at each target evaluation: the `before` score at 0, the `after` score at
-    the run's total."""
+def compute_curve(run: Run, base_scores: dict | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(training FLOPs so far, target score) at each target evaluation: the `before` score (else the base row's) at 0,
+    the `after` score at the run's total."""
     curve = target_scores_during(run, target_eval_key(run).rsplit("/", 1)[-1])
     flops = None if curve is None else training_flops(run, curve[0])
     if flops is None:
         return None
     scores = curve[1]
+    if curve[0][0] > 0 and (base_scores or {}).get(TARGET_TASK) is not None:
+        flops, scores = np.r_[0.0, flops], np.r_[float(base_scores[TARGET_TASK]), scores]
     after, total = (run.evaluation("after") or {}).get(TARGET_TASK), run.results["compute"].get("flops")
     if after is not None and total:
         flops, scores = np.r_[flops, total], np.r_[scores, after]
     return flops, scores
 
 
-def plot_compute(runs, styles, out_dir) -> Path | None:
-    curves = {run.label: c for run in runs if (c := compute_curve(run)) is not None}
+def plot_compute(runs, styles, out_dir, base_scores: dict | None = None) -> Path | None:
+    curves = {run.label: c for run in runs if (c := compute_curve(run, base_scores)) is not None}
     if not curves:
         return None
     figure, (ax,) = new_figure()
@@ -829,7 +831,7 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
         ),
         (
             "Target score vs training compute",
-            lambda: plot_compute(runs, styles, out_dir),
+            lambda: plot_compute(runs, styles, out_dir, base_scores),
             "no run has `compute` in results.json and target scores during training (--target_eval_steps N)",
         ),
         (
@@ -986,7 +988,7 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
         table2(runs, base_scores, base_source)
         + state_table(runs)
         + plot_blocks(runs, out_dir, base_scores)
-        + compute_table(runs)
+        + compute_table(runs, base_scores)
         + run_notes(runs)
     )
     states_path = write_states_page(runs, out_dir / "states.html")
