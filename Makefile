@@ -62,7 +62,7 @@ demo: $(CORE)
 	rm -rf runs/lab/opd
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py
 	@echo "How this setting was chosen, on the dev split, and why OPD moved this target slowly before: STUDY.md."
-	@echo "50 steps fit the first demo; the rule's budget is 75 (dev 0.360 vs 0.310 at 50): make demo-long."
+	@echo "The rule's budget is 75 steps (dev 0.360, against 0.310 at 50): make demo-long."
 
 # The rule's budget (75 steps) of the same run, on its own output folder.
 demo-long: $(CORE)
