@@ -220,6 +220,13 @@ class StateLoggingCallback(TrainerCallback):
             partial.replace(path)
         return completions
 
+    def _probe_texts(self, tokenizer) -> list[str]:
+        """The probe prompts as text: conversations formatted with the tokenizer's chat template."""
+        return [
+            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in self.probe_prompts
+        ]
+
     def _probe_generation_config(self, model) -> GenerationConfig:
         """The trainer's sampling settings when it has them (GRPO-like trainers), else the model's, with sampling."""
         config = trainer_generation_config(self.trainer)
@@ -233,10 +240,7 @@ class StateLoggingCallback(TrainerCallback):
 
     def _check_probe_lengths(self) -> None:
         tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
-        prompts = [
-            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            for p in self.probe_prompts
-        ]
+        prompts = self._probe_texts(tokenizer)
         model = self.trainer.model
         max_new_tokens = self._probe_generation_config(model).max_new_tokens
         check_probe_lengths(tokenizer, prompts, max_new_tokens, context_length(model))
@@ -250,10 +254,7 @@ class StateLoggingCallback(TrainerCallback):
         """
         trainer = self.trainer
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        prompts = [
-            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            for p in self.probe_prompts
-        ]
+        prompts = self._probe_texts(tokenizer)
         device = trainer.accelerator.device
         inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         inputs = inputs.to(device)
@@ -288,10 +289,7 @@ class StateLoggingCallback(TrainerCallback):
         """
         trainer = self.trainer
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        prompts = [
-            p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            for p in self.probe_prompts
-        ]
+        prompts = self._probe_texts(tokenizer)
         temperature = getattr(trainer, "temperature", 1.0) or 1.0
         digit = self._number_token_table(tokenizer)
         device = trainer.accelerator.device
