@@ -464,6 +464,7 @@ def test_recipe_with_a_served_teacher_writes_the_in_process_ledger(
 
     flags = ["--model_name_or_path", str(student_path), "--eval_before", "false", "--eval_limit", "1",
              "--eval_max_new_tokens", "4", "--num_probes", "0", "--logging_steps", "1", "--max_steps", "2",
+             "--signal", "reverse_kl",  # the lab config's divergence needs the full distribution, refused with a server
              *RECIPE_FLAGS["opd"]]  # fmt: skip
     teachers = {
         "local": ["--teacher_model_name_or_path", str(teacher_path)],
