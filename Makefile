@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo demo-long demo-real bench lab study-lab clean
+.PHONY: install test lint demo demo-long demo-real bench lab study-lab study-lab-quick clean
 
 install: $(STAMP)
 
@@ -83,6 +83,10 @@ demo-real: runs/real/gsm8k_lora_sft/adapter_config.json
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
 study-lab: $(STAMP)
 	$(BIN)/python recipes/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab
+
+# The same runs for seed 0 only: every comparison with its interval over test problems, no spread over seeds.
+study-lab-quick: $(STAMP)
+	$(BIN)/python recipes/study_lab.py --seeds 0 --out runs/study-lab-quick
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
