@@ -159,7 +159,6 @@ PROFILED_METHODS = (
     "training_step",
     "_generate_and_score_completions",
     "_generate",
-    "_teacher_logps",
     "_compute_loss",
     "_divergence_loss",
     "_token_logps_and_entropy",

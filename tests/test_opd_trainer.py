@@ -269,7 +269,7 @@ def test_teacher_continuation_ends_at_its_eos_despite_the_rollouts_min_new_token
 
     teacher.get_output_embeddings().register_forward_hook(eos_first)
     prompt_ids = trainer._tokenizer(math_dataset["prompt"][:3])["input_ids"]
-    assert trainer._teacher_generate(prompt_ids, 6) == [[eos]] * 3
+    assert trainer.teacher.generate(prompt_ids, 6) == [[eos]] * 3
     assert trainer.generation_config.min_new_tokens == 8  # the student's own rollouts keep their floor
 
 
@@ -605,7 +605,7 @@ def test_without_generation_config_teacher_and_probes_use_the_trainers_sampling_
     probe = callback._probe_generation_config(trainer.model)
     assert (probe.temperature, probe.max_new_tokens) == (0.7, 16)
     prompt_ids = trainer._tokenizer(math_dataset["prompt"][:2])["input_ids"]
-    continuations = trainer._teacher_generate(prompt_ids, 4)  # the continuation signal's teacher call
+    continuations = trainer.teacher.generate(prompt_ids, 4)  # the continuation signal's teacher call
     assert len(continuations) == 2 and all(0 < len(c) <= 4 for c in continuations)
 
 

@@ -71,8 +71,14 @@ def test_continuation_supervises_nothing_on_a_masked_truncated_rollout(
     )
     _truncate_even_rows(trainer)
     calls = []
-    generate = trainer._teacher_generate
-    trainer._teacher_generate = lambda prefixes, n: calls.append(len(prefixes)) or generate(prefixes, n)
+    generate = trainer.teacher.generate
+
+    def spy(prompts, n, prefixes=None):  # the calls that ask the teacher for rows (the teacher source asks for none)
+        if prompts:
+            calls.append(len(prompts))
+        return generate(prompts, n, prefixes)
+
+    trainer.teacher.generate = spy
     trainer.model.train()
     batch = trainer._generate_and_score_completions(_rows(math_dataset, 4) * 2)
     supervised = batch["loss_mask"].sum(1)
@@ -292,7 +298,7 @@ def test_continuation_teacher_with_a_padded_output_layer_never_writes_padding_id
 
     hook = teacher.get_output_embeddings().register_forward_hook(padding_first)
     prompt_ids = trainer._tokenizer(math_dataset["prompt"][:4])["input_ids"]
-    continuations = trainer._teacher_generate(prompt_ids, 6)
+    continuations = trainer.teacher.generate(prompt_ids, 6)
     hook.remove()
     assert all(len(c) > 0 and max(c) < student_vocab for c in continuations)
     trainer.model.train()

@@ -249,7 +249,7 @@ def test_reverse_kl_through_the_server_matches_the_in_process_teacher(
 def spy_scoring(trainer):
     """The thread each scoring request ran on, and the teacher log-probs each micro-batch's loss read."""
     threads, resolved = [], []
-    logps, resolve = trainer.served_teacher.logps, trainer._resolve_teacher_logps
+    logps, resolve = trainer.teacher.server.logps, trainer._resolve_teacher_logps
 
     def spy_logps(*args, **kwargs):
         threads.append(threading.current_thread().name)
@@ -259,7 +259,7 @@ def spy_scoring(trainer):
         resolved.append(resolve(inputs))
         return resolved[-1]
 
-    trainer.served_teacher.logps, trainer._resolve_teacher_logps = spy_logps, spy_resolve
+    trainer.teacher.server.logps, trainer._resolve_teacher_logps = spy_logps, spy_resolve
     return threads, resolved
 
 
@@ -389,7 +389,7 @@ def test_teacher_rows_and_continuations_of_one_prefix_are_sampled_apart_and_repr
         batches = spy_batches(opd)
         opd.train()
         prefix = opd._tokenizer(math_dataset[0]["prompt"])["input_ids"]
-        runs.append((batches[0]["completion_ids"].tolist(), opd._teacher_generate([prefix] * 4, 8)))
+        runs.append((batches[0]["completion_ids"].tolist(), opd.teacher.generate([prefix] * 4, 8)))
     rows, continuations = runs[0]
     # GRPO repeats each prompt num_generations=2 times in a row: rows 2i and 2i+1 are one prompt's
     assert all(rows[i] != rows[i + 1] for i in range(0, len(rows), 2)), rows
@@ -397,9 +397,9 @@ def test_teacher_rows_and_continuations_of_one_prefix_are_sampled_apart_and_repr
     assert runs[1] == runs[0]
 
 
-def test_divergence_and_other_temperatures_are_rejected_with_a_server(tmp_path):
-    with pytest.raises(ValueError, match="divergence.*full next-token distribution"):
-        opd_config(tmp_path, signal="divergence", teacher_model_server_url="http://127.0.0.1:8000")
+def test_other_temperatures_and_a_top_k_below_one_are_rejected_with_a_server(tmp_path):
+    with pytest.raises(ValueError, match="teacher_top_k must be at least 1.*got 0"):
+        opd_config(tmp_path, signal="divergence", teacher_top_k=0, teacher_model_server_url="http://127.0.0.1:8000")
     with pytest.raises(ValueError, match="temperature=0.7.*temperature 1"):
         opd_config(tmp_path, temperature=0.7, teacher_model_server_url="http://127.0.0.1:8000")
 

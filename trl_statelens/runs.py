@@ -35,7 +35,7 @@ from .evaluation import (
     parse_limit,
     retention_summary,
 )
-from .opd_trainer import without_zero3_init
+from .teachers import without_zero3_init
 from .real_models import SMOLLM2, build_smollm2
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
