@@ -434,7 +434,7 @@ def test_bf16_teacher_checkpoint_stays_bf16(tmp_path, tokenizer, student_path, m
     )
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
     assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}  # as TRL's DistillationTrainer loads it
-    from trl_statelens.opd_trainer import load_teacher
+    from trl_statelens.teachers import load_teacher
 
     forced = opd_config(tmp_path / "run", teacher_model_init_kwargs={"dtype": "float32"})
     assert {p.dtype for p in load_teacher(str(path), forced).parameters()} == {torch.float32}
@@ -448,11 +448,11 @@ def test_teacher_device_map_under_distributed_training_is_none(
     would put every rank's teacher on the first GPU. Elsewhere TRL's default applies (no device_map passed)."""
     from types import SimpleNamespace
 
-    import trl_statelens.opd_trainer as opd_trainer
-    from trl_statelens.opd_trainer import load_teacher
+    import trl_statelens.teachers as teachers
+    from trl_statelens.teachers import load_teacher
 
     seen = {}
-    monkeypatch.setattr(opd_trainer, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(teachers, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
     args = opd_config(tmp_path, teacher_model_init_kwargs={"device_map": "auto"} if device_map is None else None)
     args.distributed_state = SimpleNamespace(distributed_type=distributed_type)
     load_teacher(str(teacher_path), args)
@@ -629,7 +629,8 @@ def test_vllm_importance_sampling_ratio_weights_the_reverse_kl_loss(
     corrected = trainer._compute_loss(trainer.model, {**batch, "importance_sampling_ratio": ratio})
     mask, logps = batch["completion_mask"], _student_logps(trainer, batch)
     # A_t = -(log p_S - log p_T), loss = -sum A_t * ratio_t * log p_S / N
-    expected = ((logps - batch["teacher_logps"]) * logps * mask * ratio).sum() / mask.sum()
+    teacher_logps = trainer._resolve_teacher_logps(batch)  # the batch holds the teacher's rows, read in the loss
+    expected = ((logps - teacher_logps) * logps * mask * ratio).sum() / mask.sum()
     torch.testing.assert_close(corrected.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(corrected, plain)
 

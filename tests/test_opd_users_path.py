@@ -115,7 +115,7 @@ def test_dataset_reference_longer_than_the_limit_is_truncated_not_given_an_eos(
     # the long reference is masked as GRPO masks a truncated rollout; the short one is supervised, eos included
     short = len(tokens(short_answer)) + 1
     assert batch["completion_mask"].sum(1).tolist() == [0, 0, short, short]
-    assert batch["teacher_logps"][:2].abs().sum() == 0
+    assert trainer._resolve_teacher_logps(batch)[:2].abs().sum() == 0
 
 
 # ----- kl_discount: O(B*T), the same advantages as the discount-matrix formula ----------------------------------------
@@ -274,7 +274,8 @@ def test_reverse_kl_scores_the_students_ids_under_a_padded_teachers_whole_softma
     num_completion = batch["completion_ids"].size(1)
     logps = logits[:, -num_completion - 1 : -1].float().log_softmax(-1)  # over all rows, padding included
     expected = logps.gather(-1, batch["completion_ids"][..., None])[..., 0] * batch["completion_mask"]
-    torch.testing.assert_close(batch["teacher_logps"] * batch["completion_mask"], expected, rtol=1e-4, atol=1e-4)
+    teacher_logps = trainer._resolve_teacher_logps(batch)
+    torch.testing.assert_close(teacher_logps * batch["completion_mask"], expected, rtol=1e-4, atol=1e-4)
     loss = trainer._compute_loss(trainer.model, batch)
     assert torch.isfinite(loss) and loss.item() != 0.0
 

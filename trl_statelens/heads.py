@@ -132,7 +132,8 @@ def topk_tail_divergence(
     ids, teacher = top_ids[valid].to(hidden.device), top_logps[valid].to(hidden.device, torch.float32)
     chunks = [slice(i, i + POSITION_CHUNK) for i in range(0, hidden.size(0), POSITION_CHUNK)]
     losses = [
-        _topk_tail_divergence_rows(unwrapped_model, hidden[c], ids[c], teacher[c], beta, temperature) for c in chunks
+        topk_tail_jsd(_student_log_probs(unwrapped_model, hidden[c], temperature), ids[c], teacher[c], beta)
+        for c in chunks
     ]
     total = torch.cat(losses).sum() if losses else student_hidden.sum() * 0.0
     if isinstance(normalizer, torch.Tensor):
@@ -140,24 +141,26 @@ def topk_tail_divergence(
     return total / normalizer
 
 
-def _topk_tail_divergence_rows(unwrapped_model, hidden, ids, teacher, beta, temperature) -> torch.Tensor:
-    """`topk_tail_divergence` per position for `(N, H)` hidden states and `(N, k)` teacher ids and log-probs."""
-    student_all = _student_log_probs(unwrapped_model, hidden, temperature)  # (N, V)
-    vocab = student_all.size(-1)
-    present = torch.isfinite(teacher) & (ids < vocab) & (ids >= 0)
-    ids = torch.where(present, ids, torch.zeros_like(ids))
+def topk_tail_jsd(
+    student_log_probs: torch.Tensor, top_ids: torch.Tensor, top_logps: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """Per position, the generalised JSD of [`topk_tail_divergence`] from the student's full log-probs `(N, V)` and
+    the teacher's top-k ids and log-probs `(N, k)`: `(N,)`."""
+    vocab = student_log_probs.size(-1)
+    present = torch.isfinite(top_logps) & (top_ids < vocab) & (top_ids >= 0)
+    ids = torch.where(present, top_ids, torch.zeros_like(top_ids))
     # Each id once: vLLM lists each at most once, but the padding of a short answer repeats id 0
-    in_set = torch.zeros_like(student_all).scatter_add_(1, ids, present.float()) > 0
+    in_set = torch.zeros_like(student_log_probs).scatter_add_(1, ids, present.to(student_log_probs.dtype)) > 0
     has_tail = ~in_set.all(-1)
-    student = student_all.gather(1, ids)
+    student = student_log_probs.gather(1, ids)
     # Outside the set; a row whose set is the whole vocabulary gets a finite stand-in (masked below), since the
     # gradient of a log-sum-exp over nothing is NaN
-    outside = torch.where(has_tail[:, None], student_all.masked_fill(in_set, -math.inf), 0.0)
+    outside = torch.where(has_tail[:, None], student_log_probs.masked_fill(in_set, -math.inf), 0.0)
     student_tail = torch.logsumexp(outside, dim=-1)
-    teacher_mass = (teacher.double().exp() * present).sum(-1)
-    teacher_tail = torch.log((1.0 - teacher_mass).clamp(min=TAIL_FLOOR)).float()
+    teacher_mass = (top_logps.double().exp() * present).sum(-1)
+    teacher_tail = torch.log((1.0 - teacher_mass).clamp(min=TAIL_FLOOR)).to(top_logps.dtype)
     log_s = torch.cat([student, student_tail[:, None]], dim=1)
-    log_t = torch.cat([teacher, teacher_tail[:, None]], dim=1)
+    log_t = torch.cat([top_logps, teacher_tail[:, None]], dim=1)
     keep = torch.cat([present, has_tail[:, None]], dim=1)
     # Absent categories get finite stand-ins (their terms are masked out), so no NaN reaches the gradient
     log_s, log_t = torch.where(keep, log_s, 0.0), torch.where(keep, log_t, 0.0)
