@@ -64,7 +64,9 @@ class OnPolicyDistillConfig(GRPOConfig):
             - `"divergence"`: the full-vocabulary generalised JSD with `jsd_beta` between student and teacher
               next-token distributions at every completion state, computed in chunks over positions with TRL's
               kernel (the `(B, T, V)` logits are never materialised); `jsd_beta=1` is TRL's
-              `DistillationTrainer(beta=1)` loss.
+              `DistillationTrainer(beta=1)` loss. With a served teacher, the same divergence on the teacher's
+              top-k tokens plus a tail bucket (see `teacher_top_k`); there the student's full log-softmax at the
+              supervised positions is formed (in chunks of 1024 positions) and kept for the backward.
         kl_discount (`float`, *optional*, defaults to `0.0`):
             Discount $\gamma$ of future per-token reverse KL in the `reverse_kl` advantage; `0` uses each token's
             own KL only.

@@ -50,7 +50,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         teacher_model (`str` or `PreTrainedModel`, *optional*): the teacher, an instance or a path/hub id loaded with
             `args.teacher_model_init_kwargs`. It must share the student's tokenizer (TRL's `GOLDTrainer` handles
             cross-tokenizer distillation); its output layer may be padded past the student's with `reverse_kl` and
-            `continuation` (see `_check_same_vocabulary`), not with `divergence`. It is frozen, kept in eval mode
+            `continuation` (see `teachers._check_same_vocabulary`), not with an in-process `divergence`. It is frozen, kept in eval mode
             and prepared for the same device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a
             vLLM server runs the teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no
             weights are loaded).

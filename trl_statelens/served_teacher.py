@@ -1,9 +1,9 @@
 """A teacher served by vLLM (`vllm serve`), reached through TRL's `VLLMClient`.
 
 [`ServedTeacher`] checks the server before any training work (reachable, serves a model, same vocabulary as the
-student), then answers the two questions on-policy distillation asks a teacher: the log-prob of given tokens
-(exact: vLLM's prompt log-probs always include the actual token, whatever its rank) and continuations of given
-token prefixes. Failed requests are retried a bounded number of times with exponential backoff when the failure
+student), then answers what on-policy distillation asks a teacher: the log-prob of given tokens (exact: vLLM's
+prompt log-probs always include the actual token, whatever its rank), optionally with the teacher's top-k tokens and
+log-probs at each position (`top_logps`), and continuations of given token prefixes. Failed requests are retried a bounded number of times with exponential backoff when the failure
 can pass (no connection, timeout, 5xx, 429), then raise [`TeacherServerError`]; a request the server rejects
 (4xx) raises at once, with the server's message.
 """

@@ -299,12 +299,7 @@ class RemoteTeacher(Teacher):
         from .served_teacher import ServedTeacher
 
         args = trainer.args
-        teacher_tokenizer = None
-        if path is not None:
-            try:
-                teacher_tokenizer = AutoTokenizer.from_pretrained(path)
-            except (OSError, ValueError):
-                pass  # a checkpoint without a tokenizer: the served vocabulary size is checked all the same
+        teacher_tokenizer = _read_tokenizer(path)  # without one, the served vocabulary size is checked all the same
         student_vocab = _vocab_size(trainer.model)
         top_k = args.teacher_top_k if args.signal == "divergence" else 0
         if top_k > student_vocab:
@@ -438,6 +433,16 @@ def without_zero3_init():
         deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+def _read_tokenizer(path: str | None):
+    """The tokenizer saved with the teacher at `path`, or `None` (no path, or a checkpoint without a tokenizer)."""
+    if path is None:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
 def _vocab_size(model) -> int:
     """Rows of the model's output layer, from its config (unwrapped from PEFT/DDP/DeepSpeed; ZeRO-3-safe)."""
     model = getattr(model, "module", model)  # DDP, DeepSpeed engine
@@ -468,12 +473,7 @@ def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: st
             f"`teacher.resize_token_embeddings({student_vocab})` (its distribution renormalised over the shared ids), "
             "or use signal='reverse_kl' or 'continuation', which score the student's ids under the whole teacher"
         )
-    teacher_tokenizer = None
-    if teacher_path is not None:
-        try:
-            teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
-        except (OSError, ValueError):
-            pass  # a checkpoint without a tokenizer: the vocab_size checks above are all we can do
+    teacher_tokenizer = _read_tokenizer(teacher_path)  # without one, the vocab_size checks above are all we can do
     if teacher_tokenizer is None:
         if teacher_vocab != student_vocab:
             logger.warning(
