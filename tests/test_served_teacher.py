@@ -152,7 +152,6 @@ def test_a_server_at_vllms_default_log_prob_cap_serves_training(teacher_path, to
     --max-logprobs flag is needed."""
     sequences, starts = _sequences(tokenizer)
     with TestTeacherServer(teacher_path, max_logprobs=20) as server:  # vLLM's default cap
-        url = server.url
         client = served(server.url, tokenizer)
         assert [len(row) for row in client.logps(sequences, starts)] == [len(s) - n for s, n in zip(sequences, starts)]
         assert all(0 < len(c) <= 4 for c in client.generate(sequences, 4, [tokenizer.eos_token_id]))
@@ -617,7 +616,7 @@ def test_recipe_with_a_served_teacher_writes_the_in_process_ledger(
 
     flags = ["--model_name_or_path", str(student_path), "--eval_before", "false", "--eval_limit", "1",
              "--eval_max_new_tokens", "4", "--num_probes", "0", "--logging_steps", "1", "--max_steps", "2",
-             "--signal", "reverse_kl",  # the lab config's divergence needs the full distribution, refused with a server
+             "--signal", "reverse_kl",  # exact through a server (the lab config's divergence would use the top-k)
              *RECIPE_FLAGS["opd"]]  # fmt: skip
     teachers = {
         "local": ["--teacher_model_name_or_path", str(teacher_path)],
