@@ -391,7 +391,7 @@ class StateLoggingCallback(TrainerCallback):
         forward pass of the policy (and the teacher) over them."""
         base_kl, base_kl_topk, teacher = [], [], []
         scored = self._score_completions(self._reference_texts, with_teacher=self._has_teacher())
-        for base, (token_ids, logps, teacher_logps) in zip(self._base_policy, scored):
+        for base, (token_ids, logps, teacher_logps) in zip(self._base_policy, scored, strict=True):
             log_ratio, topk_kl = base_divergences(base, token_ids, logps)
             base_kl.append(log_ratio)
             base_kl_topk.append(topk_kl)
