@@ -220,6 +220,21 @@ def test_base_kl_after_a_training_step_equals_a_direct_computation(
         assert line["base_kl_topk"] < exact  # merging ids never raises a KL
 
 
+def test_base_policy_rows_read_back_from_json_measure_an_unchanged_policy_as_exactly_zero():
+    """What step 0 writes to drift_reference.json comes back bit for bit, an empty completion (the policy stopped at
+    once) included, so a resumed run's base_kl of an unchanged policy is exactly 0."""
+    from trl_statelens.callback import base_divergences, base_policy_row, read_base_policy_row
+
+    logps = torch.log_softmax(torch.randn(5, 32), -1)
+    for token_ids in (torch.tensor([3, 1, 4, 1, 5]), torch.tensor([], dtype=torch.long)):
+        positions = logps[: len(token_ids)]
+        row = base_policy_row(token_ids, positions, top_k=4)
+        read = read_base_policy_row(json.loads(json.dumps({name: v.tolist() for name, v in row.items()})))
+        assert all(torch.equal(read[name].flatten(), row[name].flatten()) for name in row)  # (0, k) reads (0, 0)
+        log_ratio, topk_kl = base_divergences(read, token_ids, positions)
+        assert log_ratio.tolist() == topk_kl.tolist() == [0.0] * len(token_ids)
+
+
 def test_attachment_and_bad_arguments(tmp_path, student_path, tokenizer, math_dataset):
     args = SFTConfig(output_dir=str(tmp_path / "attach"), max_steps=1, per_device_train_batch_size=2, **CPU)
     user_callback = StateLoggingCallback(sample_rate=0.5)

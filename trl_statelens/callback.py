@@ -252,9 +252,7 @@ class StateLoggingCallback(TrainerCallback):
             logger.warning("%s has no step-0 log-probs: base_kl is measured against the resumed policy.", path)
         completions = reference.get("completions") or self._sample_probes()
         if "base_policy" in reference:
-            return completions, [
-                {name: torch.tensor(v) for name, v in row.items()} for row in reference["base_policy"]
-            ]
+            return completions, [read_base_policy_row(row) for row in reference["base_policy"]]
         base_policy = [
             base_policy_row(token_ids, logps, self.base_kl_top_k)
             for token_ids, logps, _ in self._score_completions(completions, with_teacher=False)
@@ -467,6 +465,19 @@ def base_policy_row(token_ids: torch.Tensor, logps: torch.Tensor, top_k: int) ->
         "top_ids": top_ids.cpu(),
         "top_logps": top_logps.cpu(),
         "tail_mass": logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1).exp().cpu(),
+    }
+
+
+def read_base_policy_row(row: dict[str, list]) -> dict[str, torch.Tensor]:
+    """A [`base_policy_row`] read back from `drift_reference.json`, the same values and shapes (an empty completion's
+    `top_ids` and `top_logps` are `(0, 0)`)."""
+    tokens = len(row["logps"])
+    top_shape = (tokens, -1 if tokens else 0)
+    return {
+        "logps": torch.tensor(row["logps"], dtype=torch.float32),
+        "top_ids": torch.tensor(row["top_ids"], dtype=torch.long).reshape(top_shape),
+        "top_logps": torch.tensor(row["top_logps"], dtype=torch.float32).reshape(top_shape),
+        "tail_mass": torch.tensor(row["tail_mass"], dtype=torch.float32),
     }
 
 
