@@ -159,7 +159,6 @@ PROFILED_METHODS = (
     "training_step",
     "_generate_and_score_completions",
     "_generate",
-    "_teacher_logps",
     "_compute_loss",
     "_divergence_loss",
     "_token_logps_and_entropy",
@@ -352,9 +351,10 @@ def probe_slopes(points) -> dict:
     return slopes
 
 
-def measure_probe_step(config, world) -> dict:
-    """One probe step inside a StateLensSFTTrainer run (sampling the probes, then drift), timed by parts, with the
-    peak memory of the run, and the training step it is measured against."""
+def measure_probe_step(config, world, base_kl: bool = True) -> dict:
+    """One probe step inside a StateLensSFTTrainer run (sampling the probes, then drift and `base_kl`), timed by
+    parts, with the peak memory of the run, and the training step it is measured against. `base_kl=False` runs the
+    probe as it was before `base_kl`: no scoring of the step-0 completions, at step 0 or at the probe."""
     setting = config["probe_step"]
     tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
     model_path = scratch_dir("bench-scaling-probe-")
@@ -377,8 +377,9 @@ def measure_probe_step(config, world) -> dict:
     trainer = StateLensSFTTrainer(
         model=model_path, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback]
     )
-    parts = {"sample": [], "drift": [], "states": []}
+    parts = {"sample": [], "drift": [], "states": [], "reference": [], "base_kl": []}
     sample, drift = callback._sample_probes, drift_module.probe_drift
+    reference, divergences = callback._load_or_make_reference, callback._reference_divergences
 
     def timed_sample():
         start = time.perf_counter()
@@ -393,7 +394,20 @@ def measure_probe_step(config, world) -> dict:
         parts["states"].append(current.num_states)
         return values
 
+    def timed_reference(state):  # sampling the step-0 completions, then scoring them (base_kl's step 0)
+        start = time.perf_counter()
+        values = reference(state) if base_kl else (callback._sample_probes(), [])
+        parts["reference"].append(time.perf_counter() - start)
+        return values
+
+    def timed_divergences():  # base_kl's forward over the step-0 completions at the probe
+        start = time.perf_counter()
+        values = divergences() if base_kl else {}
+        parts["base_kl"].append(time.perf_counter() - start)
+        return values
+
     callback._sample_probes = timed_sample
+    callback._load_or_make_reference, callback._reference_divergences = timed_reference, timed_divergences
     callback_module.probe_drift = timed_drift  # this forked child's copy of the module
     result = train_and_measure(trainer, {"model": backbone(trainer.model)}, warmup_steps=0)
     steps = result["step_seconds"]
@@ -401,6 +415,9 @@ def measure_probe_step(config, world) -> dict:
         **setting,
         "sample_seconds": parts["sample"],  # the reference at train begin, then the probe at step 3
         "drift_seconds": parts["drift"],
+        "base_kl": base_kl,
+        "base_kl_seconds": parts["base_kl"],  # at the probe step
+        "reference_scoring_seconds": parts["reference"][0] - parts["sample"][0],  # at train begin (step 0)
         "states": parts["states"],
         "training_step_seconds": statistics.median([steps[1], steps[3]]),  # the steps without a probe or warm-up
         "probe_step_seconds": steps[2],

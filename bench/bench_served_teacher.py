@@ -72,9 +72,10 @@ def run_arm(arm, student_path, teacher_path, url, dataset, steps, gradient_accum
         train_dataset=dataset,
     )
     timings = {"request_seconds": [], "wait_seconds": []}
-    if trainer.served_teacher is not None:  # the scoring request's own time, and how long the loss waited for it
-        logps, resolve = trainer.served_teacher.logps, trainer._resolve_teacher_logps
-        trainer.served_teacher.logps = timed(logps, timings["request_seconds"])
+    server = getattr(trainer.teacher, "server", None)  # a served teacher's client
+    if server is not None:  # the scoring request's own time, and how long the loss waited for it
+        logps, resolve = server.logps, trainer._resolve_teacher_logps
+        server.logps = timed(logps, timings["request_seconds"])
         trainer._resolve_teacher_logps = timed(resolve, timings["wait_seconds"])
     result = train_and_measure(trainer, {}, WARMUP_STEPS)
     result.update({key: values[WARMUP_STEPS:] for key, values in timings.items()})

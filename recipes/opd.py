@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
-from trl_statelens.opd_trainer import load_teacher
 from trl_statelens.runs import (
     LAB,
     LAB_TEACHER,
@@ -23,6 +22,7 @@ from trl_statelens.runs import (
     state_logging_callback,
     with_default_config,
 )
+from trl_statelens.teachers import load_teacher
 
 
 @dataclass

@@ -85,8 +85,9 @@ def test_stock_trainer_gets_probe_drift_only_and_zero_drift_at_lr_0(
     # The policy did not move (lr=0) and probe sampling is seeded: exactly no drift
     for line in drift:
         assert line["mmd"] == line["centroid"] == line["sliced_wasserstein"] == line["jaccard"] == 0.0
+        assert line["base_kl"] == line["base_kl_topk"] == 0.0  # the step-0 policy, from the stored reference
     train_logs = [logs for logs in catcher.logs if "loss" in logs]
-    assert all(logs["statelens/drift/mmd"] == 0.0 for logs in train_logs)
+    assert all(logs["statelens/drift/mmd"] == logs["statelens/drift/base_kl"] == 0.0 for logs in train_logs)
 
 
 @pytest.mark.slow
@@ -144,6 +145,7 @@ def test_ledger_has_each_step_once_after_resuming(tmp_path, student_path, tokeni
     ledger = output_dir / "statelens"
     first_steps = read_jsonl(ledger / "steps.jsonl")
     first_drift = read_jsonl(ledger / "drift.jsonl")
+    first_reference = json.loads((ledger / "drift_reference.json").read_text())
     # report_to backends see the aggregates with the trainer's own metrics
     assert all("statelens/state_nll" in logs for logs in catcher.logs if "loss" in logs)
 
@@ -157,9 +159,80 @@ def test_ledger_has_each_step_once_after_resuming(tmp_path, student_path, tokeni
     assert [line["step"] for line in drift] == [2, 4, 6]
     assert states and {s["step"] for s in states} <= set(range(1, 7))
     assert len({(s["step"], s["rank"], s["sequence"]) for s in states}) == len(states)
-    # Resuming restores the exact training state and the step-0 probe reference
+    # Resuming restores the exact training state and the step-0 probe reference, base-policy log-probs included
     assert [line["state_nll"] for line in steps] == pytest.approx([line["state_nll"] for line in first_steps])
     assert [line["mmd"] for line in drift] == pytest.approx([line["mmd"] for line in first_drift])
+    assert all(line["base_kl"] > 0 for line in first_drift)
+    for name in ("base_kl", "base_kl_topk"):
+        assert [line[name] for line in drift] == pytest.approx([line[name] for line in first_drift], rel=1e-5)
+    assert json.loads((ledger / "drift_reference.json").read_text()) == first_reference
+
+
+@pytest.mark.parametrize("top_k", [4, "vocabulary"])
+def test_base_kl_after_a_training_step_equals_a_direct_computation(
+    top_k, tmp_path, student_path, tokenizer, math_dataset, probe_prompts
+):
+    """One SFT step moves the policy; base_kl and base_kl_topk then equal the same quantities computed by hand from
+    a copy of the initial model and the trained one on the step-0 completions; with k the vocabulary size,
+    base_kl_topk is the exact full-vocabulary KL(pi_0 || pi_theta)."""
+    from transformers import AutoModelForCausalLM
+
+    vocabulary = len(tokenizer)
+    top_k = vocabulary if top_k == "vocabulary" else top_k
+    prompts = probe_prompts[:3]
+    callback = StateLoggingCallback(probe_prompts=prompts, probe_steps=1, probe_max_new_tokens=12, base_kl_top_k=top_k)
+    args = SFTConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, learning_rate=1e-2, max_length=128, **CPU
+    )
+    trainer = StateLensSFTTrainer(
+        model=str(student_path), args=args, train_dataset=math_dataset, processing_class=tokenizer,
+        callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    (line,) = read_jsonl(tmp_path / "statelens" / "drift.jsonl")
+    completions = json.loads((tmp_path / "statelens" / "drift_reference.json").read_text())["completions"]
+
+    initial = AutoModelForCausalLM.from_pretrained(student_path).eval()
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    log_ratios, topk_kls, exact_kls = [], [], []
+    for prompt, completion in zip(prompts, completions):
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        ids, span = torch.tensor([p + c]), slice(len(p) - 1, len(p) + len(c) - 1)
+        with torch.no_grad():
+            base = torch.log_softmax(initial(input_ids=ids).logits[0, span, :vocabulary].double(), -1)
+            now = torch.log_softmax(trained(input_ids=ids).logits[0, span, :vocabulary].double(), -1)
+        tokens = torch.tensor(c)[:, None]
+        log_ratios.append((base.gather(1, tokens) - now.gather(1, tokens))[:, 0])
+        exact_kls.append((base.exp() * (base - now)).sum(-1))
+        top = base.topk(top_k, dim=-1).indices
+        rest = torch.ones_like(base, dtype=torch.bool).scatter(1, top, False)
+        p_rest, q_rest = (base.exp() * rest).sum(-1), (now.exp() * rest).sum(-1)
+        tail = torch.where(p_rest > 0, p_rest * (p_rest.log() - q_rest.log()), 0.0)
+        topk_kls.append((base.gather(1, top).exp() * (base.gather(1, top) - now.gather(1, top))).sum(-1) + tail)
+    expected, exact = torch.cat(log_ratios).mean().item(), torch.cat(exact_kls).mean().item()
+    assert exact > 1e-3  # the step moved the policy measurably
+    assert line["base_kl"] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    assert line["base_kl_topk"] == pytest.approx(torch.cat(topk_kls).mean().item(), rel=1e-3, abs=1e-6)
+    if top_k == vocabulary:
+        assert line["base_kl_topk"] == pytest.approx(exact, rel=1e-3)
+    else:
+        assert line["base_kl_topk"] < exact  # merging ids never raises a KL
+
+
+def test_base_policy_rows_read_back_from_json_measure_an_unchanged_policy_as_exactly_zero():
+    """What step 0 writes to drift_reference.json comes back bit for bit, an empty completion (the policy stopped at
+    once) included, so a resumed run's base_kl of an unchanged policy is exactly 0."""
+    from trl_statelens.callback import base_divergences, base_policy_row, read_base_policy_row
+
+    logps = torch.log_softmax(torch.randn(5, 32), -1)
+    for token_ids in (torch.tensor([3, 1, 4, 1, 5]), torch.tensor([], dtype=torch.long)):
+        positions = logps[: len(token_ids)]
+        row = base_policy_row(token_ids, positions, top_k=4)
+        read = read_base_policy_row(json.loads(json.dumps({name: v.tolist() for name, v in row.items()})))
+        assert all(torch.equal(read[name].flatten(), row[name].flatten()) for name in row)  # (0, k) reads (0, 0)
+        log_ratio, topk_kl = base_divergences(read, token_ids, positions)
+        assert log_ratio.tolist() == topk_kl.tolist() == [0.0] * len(token_ids)
 
 
 def test_attachment_and_bad_arguments(tmp_path, student_path, tokenizer, math_dataset):
@@ -203,6 +276,8 @@ def test_attachment_and_bad_arguments(tmp_path, student_path, tokenizer, math_da
         StateLoggingCallback(probe_steps=0)
     with pytest.raises(ValueError, match="sample_rate"):
         StateLoggingCallback(sample_rate=1.5)
+    with pytest.raises(ValueError, match="base_kl_top_k"):
+        StateLoggingCallback(base_kl_top_k=0)
     with pytest.raises(ValueError, match="probe_prompts is empty"):
         StateLoggingCallback(probe_prompts=[])
 

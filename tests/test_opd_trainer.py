@@ -269,7 +269,7 @@ def test_teacher_continuation_ends_at_its_eos_despite_the_rollouts_min_new_token
 
     teacher.get_output_embeddings().register_forward_hook(eos_first)
     prompt_ids = trainer._tokenizer(math_dataset["prompt"][:3])["input_ids"]
-    assert trainer._teacher_generate(prompt_ids, 6) == [[eos]] * 3
+    assert trainer.teacher.generate(prompt_ids, 6) == [[eos]] * 3
     assert trainer.generation_config.min_new_tokens == 8  # the student's own rollouts keep their floor
 
 
@@ -434,7 +434,7 @@ def test_bf16_teacher_checkpoint_stays_bf16(tmp_path, tokenizer, student_path, m
     )
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
     assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}  # as TRL's DistillationTrainer loads it
-    from trl_statelens.opd_trainer import load_teacher
+    from trl_statelens.teachers import load_teacher
 
     forced = opd_config(tmp_path / "run", teacher_model_init_kwargs={"dtype": "float32"})
     assert {p.dtype for p in load_teacher(str(path), forced).parameters()} == {torch.float32}
@@ -448,11 +448,11 @@ def test_teacher_device_map_under_distributed_training_is_none(
     would put every rank's teacher on the first GPU. Elsewhere TRL's default applies (no device_map passed)."""
     from types import SimpleNamespace
 
-    import trl_statelens.opd_trainer as opd_trainer
-    from trl_statelens.opd_trainer import load_teacher
+    import trl_statelens.teachers as teachers
+    from trl_statelens.teachers import load_teacher
 
     seen = {}
-    monkeypatch.setattr(opd_trainer, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(teachers, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
     args = opd_config(tmp_path, teacher_model_init_kwargs={"device_map": "auto"} if device_map is None else None)
     args.distributed_state = SimpleNamespace(distributed_type=distributed_type)
     load_teacher(str(teacher_path), args)
@@ -605,7 +605,7 @@ def test_without_generation_config_teacher_and_probes_use_the_trainers_sampling_
     probe = callback._probe_generation_config(trainer.model)
     assert (probe.temperature, probe.max_new_tokens) == (0.7, 16)
     prompt_ids = trainer._tokenizer(math_dataset["prompt"][:2])["input_ids"]
-    continuations = trainer._teacher_generate(prompt_ids, 4)  # the continuation signal's teacher call
+    continuations = trainer.teacher.generate(prompt_ids, 4)  # the continuation signal's teacher call
     assert len(continuations) == 2 and all(0 < len(c) <= 4 for c in continuations)
 
 
@@ -629,7 +629,8 @@ def test_vllm_importance_sampling_ratio_weights_the_reverse_kl_loss(
     corrected = trainer._compute_loss(trainer.model, {**batch, "importance_sampling_ratio": ratio})
     mask, logps = batch["completion_mask"], _student_logps(trainer, batch)
     # A_t = -(log p_S - log p_T), loss = -sum A_t * ratio_t * log p_S / N
-    expected = ((logps - batch["teacher_logps"]) * logps * mask * ratio).sum() / mask.sum()
+    teacher_logps = trainer._resolve_teacher_logps(batch)  # the batch holds the teacher's rows, read in the loss
+    expected = ((logps - teacher_logps) * logps * mask * ratio).sum() / mask.sum()
     torch.testing.assert_close(corrected.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(corrected, plain)
 

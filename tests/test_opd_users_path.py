@@ -71,8 +71,14 @@ def test_continuation_supervises_nothing_on_a_masked_truncated_rollout(
     )
     _truncate_even_rows(trainer)
     calls = []
-    generate = trainer._teacher_generate
-    trainer._teacher_generate = lambda prefixes, n: calls.append(len(prefixes)) or generate(prefixes, n)
+    generate = trainer.teacher.generate
+
+    def spy(prompts, n, prefixes=None):  # the calls that ask the teacher for rows (the teacher source asks for none)
+        if prompts:
+            calls.append(len(prompts))
+        return generate(prompts, n, prefixes)
+
+    trainer.teacher.generate = spy
     trainer.model.train()
     batch = trainer._generate_and_score_completions(_rows(math_dataset, 4) * 2)
     supervised = batch["loss_mask"].sum(1)
@@ -109,7 +115,7 @@ def test_dataset_reference_longer_than_the_limit_is_truncated_not_given_an_eos(
     # the long reference is masked as GRPO masks a truncated rollout; the short one is supervised, eos included
     short = len(tokens(short_answer)) + 1
     assert batch["completion_mask"].sum(1).tolist() == [0, 0, short, short]
-    assert batch["teacher_logps"][:2].abs().sum() == 0
+    assert trainer._resolve_teacher_logps(batch)[:2].abs().sum() == 0
 
 
 # ----- kl_discount: O(B*T), the same advantages as the discount-matrix formula ----------------------------------------
@@ -268,7 +274,8 @@ def test_reverse_kl_scores_the_students_ids_under_a_padded_teachers_whole_softma
     num_completion = batch["completion_ids"].size(1)
     logps = logits[:, -num_completion - 1 : -1].float().log_softmax(-1)  # over all rows, padding included
     expected = logps.gather(-1, batch["completion_ids"][..., None])[..., 0] * batch["completion_mask"]
-    torch.testing.assert_close(batch["teacher_logps"] * batch["completion_mask"], expected, rtol=1e-4, atol=1e-4)
+    teacher_logps = trainer._resolve_teacher_logps(batch)
+    torch.testing.assert_close(teacher_logps * batch["completion_mask"], expected, rtol=1e-4, atol=1e-4)
     loss = trainer._compute_loss(trainer.model, batch)
     assert torch.isfinite(loss) and loss.item() != 0.0
 
@@ -292,7 +299,7 @@ def test_continuation_teacher_with_a_padded_output_layer_never_writes_padding_id
 
     hook = teacher.get_output_embeddings().register_forward_hook(padding_first)
     prompt_ids = trainer._tokenizer(math_dataset["prompt"][:4])["input_ids"]
-    continuations = trainer._teacher_generate(prompt_ids, 6)
+    continuations = trainer.teacher.generate(prompt_ids, 6)
     hook.remove()
     assert all(len(c) > 0 and max(c) < student_vocab for c in continuations)
     trainer.model.train()

@@ -347,7 +347,7 @@ def test_lora_sft_teacher_under_zero3(tmp_path, monkeypatch, student_path, confi
     adapter is merged into whole weights, then partitioned: gathered, they equal a one-process merge of the folder."""
     from safetensors.torch import load_file
 
-    from trl_statelens.opd_trainer import load_teacher
+    from trl_statelens.teachers import load_teacher
 
     sft_out = tmp_path / "mild_sft"
     run_in_process("sft", ["--config", str(STUDY / "mild_sft.yaml"), "--model_name_or_path", str(student_path),

@@ -69,6 +69,8 @@ def drift_lines(num_probes, scale):
             "centroid": 0.1 * i,
             "sliced_wasserstein": 0.02 * i,
             "jaccard": 0.05 * i,
+            "base_kl": 0.5 * scale * i,
+            "base_kl_topk": 0.4 * scale * i,
             "num_states": 64,
         }
         for i in range(num_probes)
@@ -201,6 +203,7 @@ def test_report_tables_plots_and_notes(runs, tmp_path):
     for name in PLOTS:
         assert f"]({name})" in text
         assert_not_blank(out / name)
+    assert imread(out / "drift.png").shape[0] == 9 * 120  # three panels of 3 inches at 120 dpi: base_kl below
 
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == len(PLOTS)

@@ -249,7 +249,7 @@ def test_reverse_kl_through_the_server_matches_the_in_process_teacher(
 def spy_scoring(trainer):
     """The thread each scoring request ran on, and the teacher log-probs each micro-batch's loss read."""
     threads, resolved = [], []
-    logps, resolve = trainer.served_teacher.logps, trainer._resolve_teacher_logps
+    logps, resolve = trainer.teacher.server.logps, trainer._resolve_teacher_logps
 
     def spy_logps(*args, **kwargs):
         threads.append(threading.current_thread().name)
@@ -259,7 +259,7 @@ def spy_scoring(trainer):
         resolved.append(resolve(inputs))
         return resolved[-1]
 
-    trainer.served_teacher.logps, trainer._resolve_teacher_logps = spy_logps, spy_resolve
+    trainer.teacher.server.logps, trainer._resolve_teacher_logps = spy_logps, spy_resolve
     return threads, resolved
 
 
@@ -389,7 +389,7 @@ def test_teacher_rows_and_continuations_of_one_prefix_are_sampled_apart_and_repr
         batches = spy_batches(opd)
         opd.train()
         prefix = opd._tokenizer(math_dataset[0]["prompt"])["input_ids"]
-        runs.append((batches[0]["completion_ids"].tolist(), opd._teacher_generate([prefix] * 4, 8)))
+        runs.append((batches[0]["completion_ids"].tolist(), opd.teacher.generate([prefix] * 4, 8)))
     rows, continuations = runs[0]
     # GRPO repeats each prompt num_generations=2 times in a row: rows 2i and 2i+1 are one prompt's
     assert all(rows[i] != rows[i + 1] for i in range(0, len(rows), 2)), rows
@@ -397,9 +397,161 @@ def test_teacher_rows_and_continuations_of_one_prefix_are_sampled_apart_and_repr
     assert runs[1] == runs[0]
 
 
-def test_divergence_and_other_temperatures_are_rejected_with_a_server(tmp_path):
-    with pytest.raises(ValueError, match="divergence.*full next-token distribution"):
-        opd_config(tmp_path, signal="divergence", teacher_model_server_url="http://127.0.0.1:8000")
+# ----- the teacher seam: one batch, either teacher ------------------------------------------------------------------
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize(
+    "signal, jsd_beta",
+    [("reverse_kl", 1.0), ("continuation", 1.0), ("divergence", 1.0), ("divergence", 0.5), ("divergence", 0.0)],
+)
+def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch(
+    tmp_path, teacher_server, student_path, teacher_path, tokenizer, math_dataset, signal, jsd_beta
+):
+    """The same batch scored by each teacher kind: equal teacher log-probs, and equal losses and gradients. With
+    `divergence` the served teacher's top-k covers the whole vocabulary (k = V): its top-k plus tail estimator is then
+    the exact full-vocabulary divergence the in-process teacher computes."""
+    kwargs = dict(signal=signal, jsd_beta=jsd_beta, continuation_length=4, teacher_top_k=len(tokenizer))
+    local, served_ = (
+        OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=teacher,
+            args=opd_config(tmp_path / name, **kwargs, **server),
+            train_dataset=math_dataset,
+            state_logging=False,
+        )
+        for name, teacher, server in (
+            ("local", str(teacher_path), {}),
+            ("served", None, {"teacher_model_server_url": teacher_server.url}),
+        )
+    )
+    for trainer in (local, served_):
+        trainer.model.train()
+    batch = local._generate_and_score_completions([math_dataset[i] for i in range(4)] * 2)
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    lengths = batch["completion_mask"].sum(1).tolist()
+    completions = [ids[:n].tolist() for ids, n in zip(batch["completion_ids"], lengths)]
+    rows = {name: t.teacher.score(prompts, completions) for name, t in (("local", local), ("served", served_))}
+    logps = {name: local._resolve_teacher_logps({**batch, "teacher_logps": r}) for name, r in rows.items()}
+    assert (logps["local"] != 0).sum() > 30
+    torch.testing.assert_close(logps["served"], logps["local"], atol=1e-5, rtol=1e-5)
+
+    if signal == "divergence":  # what `_generate` asks for: nothing ahead in-process, the top-k from the server
+        rows = {
+            name: t.teacher.score(prompts, completions, True) for name, t in (("local", local), ("served", served_))
+        }
+        assert rows["local"] is None and len(rows["served"]) == 8
+    (local_loss, local_grads), (served_loss, served_grads) = (
+        _loss_and_grads(trainer, {**batch, "teacher_logps": rows[name]})
+        for name, trainer in (("local", local), ("served", served_))
+    )
+    assert local_loss.abs() > 1e-3
+    torch.testing.assert_close(served_loss, local_loss, atol=1e-6, rtol=1e-5)
+    assert len(served_grads) == len(local_grads) > 0
+    for served_grad, local_grad in zip(served_grads, local_grads):
+        torch.testing.assert_close(served_grad, local_grad, atol=1e-6, rtol=1e-4)
+    metrics = [t._metrics["train"]["teacher_kl"] for t in (local, served_)]
+    assert metrics[1] == pytest.approx(metrics[0], rel=1e-4, abs=1e-6)
+
+
+# ----- divergence from a served teacher: its top-k log-probs plus a tail bucket ---------------------------------------
+def test_top_logps_are_the_teachers_top_k_by_position(teacher_server, teacher, tokenizer):
+    sequences, starts = _sequences(tokenizer)
+    rows = served(teacher_server.url, tokenizer).top_logps(sequences, starts, 5)
+    for row, sequence, start in zip(rows, sequences, starts):
+        with torch.no_grad():
+            expected = teacher(torch.tensor([sequence])).logits[0, start - 1 : -1].float().log_softmax(-1)
+        values, ids = expected.topk(5, dim=-1)
+        assert torch.equal(torch.tensor(row["logprob_token_ids"]), ids)
+        torch.testing.assert_close(torch.tensor(row["logprobs"]), values, atol=1e-5, rtol=1e-5)
+        actual = expected.gather(-1, torch.tensor(sequence[start:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(row["actual_logprobs"]), actual, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_top_k_tail_divergence_is_the_generalised_jsd_on_k_plus_one_categories(tokenizer, beta):
+    from trl_statelens.heads import topk_tail_divergence
+    from trl_statelens.lab import build_model
+
+    torch.manual_seed(0)
+    student = build_model("test", tokenizer)
+    hidden = torch.randn(2, 3, student.config.hidden_size, requires_grad=True)
+    teacher = torch.randn(2, 3, len(tokenizer)).mul(3).log_softmax(-1)
+    top_logps, top_ids = teacher.topk(4, dim=-1)
+    top_logps[0, 1, 3] = float("-inf")  # an answer with 3 tokens only at one position: padded, absent
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss = topk_tail_divergence(student, hidden, top_ids, top_logps, mask, beta, normalizer=5.0)
+
+    expected = 0.0
+    log_s = student.get_output_embeddings()(hidden).double().log_softmax(-1)
+    for b, t in mask.nonzero().tolist():
+        present = torch.isfinite(top_logps[b, t])
+        ids = top_ids[b, t][present]
+        p_t = torch.cat([top_logps[b, t][present].double().exp(), torch.zeros(1)])
+        p_t[-1] = 1 - p_t[:-1].sum()
+        p_s = log_s[b, t].exp()[ids]
+        p_s = torch.cat([p_s, 1 - p_s.sum()[None]])
+        if beta == 0.0:
+            expected = expected + (p_t * (p_t / p_s).log()).sum()
+        elif beta == 1.0:
+            expected = expected + (p_s * (p_s / p_t).log()).sum()
+        else:
+            m = (1 - beta) * p_s + beta * p_t
+            expected = expected + beta * (p_t * (p_t / m).log()).sum() + (1 - beta) * (p_s * (p_s / m).log()).sum()
+    expected = expected / 5.0
+    torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    (expected_grad,) = torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(grad, expected_grad.float(), atol=1e-6, rtol=1e-4)
+    assert grad[1, 2].abs().sum() == 0  # an unsupervised position
+
+
+def test_divergence_trains_through_the_server_on_the_teachers_top_k(
+    tmp_path, teacher_server, student_path, math_dataset
+):
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        args=opd_config(
+            tmp_path, teacher_model_server_url=teacher_server.url, signal="divergence", teacher_top_k=8, max_steps=2
+        ),
+        train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback()],
+    )
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    asked = []
+    top_logps = trainer.teacher.server.top_logps
+    trainer.teacher.server.top_logps = lambda *args: asked.append(args[2]) or top_logps(*args)
+    trainer.train()
+    assert asked == [8, 8]  # one top-k request per step
+    losses, kl = log_history(trainer, "loss"), log_history(trainer, "teacher_kl")
+    assert len(losses) == 2 and all(loss > 0 for loss in losses) and all(torch.isfinite(torch.tensor(kl)))
+    assert any(not torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
+    assert read_jsonl(tmp_path / "statelens" / "steps.jsonl")[0]["teacher_kl"] == pytest.approx(kl[0], abs=1e-5)
+
+
+def test_a_server_capping_log_probs_below_teacher_top_k_is_refused_at_start_up(
+    tmp_path, teacher_path, student_path, tokenizer, math_dataset
+):
+    with TestTeacherServer(teacher_path, max_logprobs=20) as server:  # vLLM's default cap
+        url = server.url
+        args = opd_config(tmp_path, teacher_model_server_url=server.url, signal="divergence", teacher_top_k=32)
+        with pytest.raises(TeacherServerError, match=r"refuses 32 log-probs.*--max-logprobs 32"):
+            OnPolicyDistillTrainer(model=str(student_path), args=args, train_dataset=math_dataset)
+        assert server.requests == 1  # the probe, before any training work
+        args = opd_config(tmp_path, teacher_model_server_url=server.url, signal="divergence", teacher_top_k=20)
+        OnPolicyDistillTrainer(model=str(student_path), args=args, train_dataset=math_dataset)  # within the cap
+    args = opd_config(tmp_path, teacher_model_server_url=url, signal="divergence", teacher_top_k=2048)
+    with pytest.raises(ValueError, match="teacher_top_k=2048 is more than the student's vocabulary \\(1024 ids\\)"):
+        OnPolicyDistillTrainer(model=str(student_path), args=args, train_dataset=math_dataset)
+
+
+def test_other_temperatures_and_a_top_k_below_one_are_rejected_with_a_server(tmp_path):
+    with pytest.raises(ValueError, match="teacher_top_k must be at least 1.*got 0"):
+        opd_config(tmp_path, signal="divergence", teacher_top_k=0, teacher_model_server_url="http://127.0.0.1:8000")
     with pytest.raises(ValueError, match="temperature=0.7.*temperature 1"):
         opd_config(tmp_path, temperature=0.7, teacher_model_server_url="http://127.0.0.1:8000")
 
@@ -464,7 +616,7 @@ def test_recipe_with_a_served_teacher_writes_the_in_process_ledger(
 
     flags = ["--model_name_or_path", str(student_path), "--eval_before", "false", "--eval_limit", "1",
              "--eval_max_new_tokens", "4", "--num_probes", "0", "--logging_steps", "1", "--max_steps", "2",
-             "--signal", "reverse_kl",  # the lab config's divergence needs the full distribution, refused with a server
+             "--signal", "reverse_kl",  # exact through a server (the lab config's divergence would use the top-k)
              *RECIPE_FLAGS["opd"]]  # fmt: skip
     teachers = {
         "local": ["--teacher_model_name_or_path", str(teacher_path)],

@@ -45,7 +45,33 @@ class StateLoggingCallback(TrainerCallback):
       a fall there is agreement, not a change of states), `teacher_kl_number` / `teacher_kl_other` on tokens whose
       text holds a digit / the rest, with `number_frac` (the share of number tokens) and `probe_tokens` (mean
       completion tokens per probe; rollouts getting shorter lower a summed KL without any agreement). `drift.jsonl`
-      adds `teacher_kl_by_prefix`: `[tokens, mean KL]` per prefix-length bin (the bins of `prefix_len_hist`).
+      adds `teacher_kl_by_prefix`: `[tokens, mean KL]` per prefix-length bin (the bins of `prefix_len_hist`);
+    - at the same probe step, how far the policy has moved from the one it started from, on the completions
+      $y_1, \dots, y_n$ that the starting policy $\pi_0$ sampled at step 0 (kept in `drift_reference.json`), scored
+      with one forward pass of the current policy $\pi_\theta$ (shared with `teacher_kl_fixed`), at the trainer's
+      `temperature` (1 without one). With $N$ their tokens in all and $s_{i,t}$ the prompt and first $t - 1$ tokens of $y_i$:
+
+      - `statelens/drift/base_kl`, the per-token forward KL from $\pi_0$ to $\pi_\theta$ on the probe prompts
+        (which "RL's Razor", arXiv 2509.04259, finds to track forgetting), estimated on $\pi_0$'s samples:
+        $$\mathrm{base\_kl} = \frac{1}{N} \sum_{i,t} \left[\log \pi_0(y_{i,t} \mid s_{i,t})
+        - \log \pi_\theta(y_{i,t} \mid s_{i,t})\right].$$
+        Its expectation is the per-token $\mathrm{KL}(\pi_0 \| \pi_\theta)$ over the states $\pi_0$ visits when
+        the probes sample from $\pi_0$ at that temperature without truncation (a GRPO-like trainer's sampling with
+        `top_p=1`, `top_k=0`); single tokens can be negative;
+      - `statelens/drift/base_kl_topk`, the same states with the next token summed over instead of sampled: with
+        $K_{i,t}$ the `base_kl_top_k` ids most likely under $\pi_0(\cdot \mid s_{i,t})$ and
+        $p_{\mathrm{rest}} = 1 - \sum_{v \in K} \pi_0(v)$, $q_{\mathrm{rest}} = 1 - \sum_{v \in K} \pi_\theta(v)$
+        at that state,
+        $$\mathrm{base\_kl\_topk} = \frac{1}{N} \sum_{i,t} \left[\sum_{v \in K_{i,t}} \pi_0(v)
+        \log \frac{\pi_0(v)}{\pi_\theta(v)} + p_{\mathrm{rest}} \log \frac{p_{\mathrm{rest}}}{q_{\mathrm{rest}}}
+        \right],$$
+        the exact KL between the two next-token distributions with the ids outside $K$ merged into one: never above
+        the full-vocabulary KL, equal to it when `base_kl_top_k` covers the vocabulary (its error at the default
+        on the lab is measured in BENCHMARKS.md).
+
+      Step 0 stores what $\pi_0$ gives those completions (each token's log-prob, and per position the top-k ids,
+      their log-probs and $p_{\mathrm{rest}}$), so no copy of $\pi_0$ is kept, and a resumed run or a stock trainer
+      measures against the same $\pi_0$; both are exactly 0 for an unchanged policy.
 
     Attached to a stock TRL trainer (`SFTTrainer`, `GRPOTrainer`, `DistillationTrainer`, ...) it runs probe drift only
     and says so once in the log.
@@ -56,9 +82,10 @@ class StateLoggingCallback(TrainerCallback):
       prefix-length bin `k`, covering prefix lengths `[2**k - 1, 2**(k+1) - 1)`);
     - `states.jsonl`: the sampled sequences (a `sample_rate` share of them), with prompt and completion text and
       per-token `prefix_len`, `logp`, `entropy`, `teacher_logp` and `weight`, plus `reward` when there is one;
-    - `drift.jsonl`: one line per probe step with the four drift distances and the number of probe states;
-    - `drift_reference.json`: the step-0 probe completions, so a resumed run measures drift against the same
-      reference.
+    - `drift.jsonl`: one line per probe step with the four drift distances, `base_kl`, `base_kl_topk` and the
+      number of probe states;
+    - `drift_reference.json`: the step-0 probe completions and what the step-0 policy gives their tokens
+      (`base_policy`), so a resumed run measures drift and `base_kl` against the same reference.
 
     A run resumed from a checkpoint drops the ledger lines after the checkpoint's step, so each step appears once.
 
@@ -79,6 +106,10 @@ class StateLoggingCallback(TrainerCallback):
         probe_seed (`int`, *optional*, defaults to `0`):
             Seed of the probe sampling. Probe sampling is seeded (and leaves the training RNG untouched), so the drift
             of an unchanged policy is exactly 0.
+        base_kl_top_k (`int`, *optional*, defaults to `16`):
+            Most likely ids of the step-0 policy kept per position for `base_kl_topk`. At 16 it was within 4% of
+            the full-vocabulary KL on the lab, 8 within 7%, 4 within 17% (BENCHMARKS.md, 5.1); the reference holds
+            `2 x base_kl_top_k + 2` numbers per probe completion token.
     """
 
     def __init__(
@@ -89,11 +120,14 @@ class StateLoggingCallback(TrainerCallback):
         sample_rate: float = 0.05,
         probe_max_new_tokens: int | None = None,
         probe_seed: int = 0,
+        base_kl_top_k: int = 16,
     ):
         if probe_steps < 1:
             raise ValueError(f"probe_steps must be a positive number of steps, got {probe_steps}")
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate is a share of sequences, between 0 and 1; got {sample_rate}")
+        if base_kl_top_k < 1:
+            raise ValueError(f"base_kl_top_k must be a positive number of token ids, got {base_kl_top_k}")
         if probe_prompts is not None and len(probe_prompts) == 0:
             raise ValueError("probe_prompts is empty: pass some prompts, or None to turn probe drift off")
         self.trainer = trainer
@@ -102,6 +136,7 @@ class StateLoggingCallback(TrainerCallback):
         self.sample_rate = sample_rate
         self.probe_max_new_tokens = probe_max_new_tokens
         self.probe_seed = probe_seed
+        self.base_kl_top_k = base_kl_top_k
         self._reference_features = None
 
     # ----- training events --------------------------------------------------------------------------------------
@@ -127,7 +162,7 @@ class StateLoggingCallback(TrainerCallback):
             self._prepare_ledger(resumed_at=state.global_step)
         if self.probe_prompts is not None:
             self._check_probe_lengths()
-            self._reference_texts = self._reference_completions(state)
+            self._reference_texts, self._base_policy = self._load_or_make_reference(state)
             self._reference_features = PrefixFeatures(self._reference_texts)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -147,8 +182,8 @@ class StateLoggingCallback(TrainerCallback):
             by_prefix = None
             if self._has_teacher():
                 own, by_prefix = self._teacher_disagreement(completions)
-                fixed, _ = self._teacher_disagreement(self._reference_texts)
-                drift.update({**own, "teacher_kl_fixed": fixed["teacher_kl"]})
+                drift.update(own)
+            drift.update(self._reference_divergences())
             self._log_metrics({f"drift/{name}": value for name, value in drift.items()})
             if state.is_world_process_zero:
                 line = {"step": state.global_step, **drift, "num_states": states.num_states}
@@ -206,19 +241,30 @@ class StateLoggingCallback(TrainerCallback):
                 f.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
 
     # ----- probe drift -----------------------------------------------------------------------------------------
-    def _reference_completions(self, state) -> list[str]:
-        """Step-0 probe completions: sampled now on a fresh run, read back from the ledger on a resumed one."""
+    def _load_or_make_reference(self, state) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+        """The step-0 probe completions and what the step-0 policy gives their tokens ([`base_policy_row`], one per
+        completion): made now on a fresh run, read back from the ledger on a resumed one."""
         path = self.ledger_dir / DRIFT_REFERENCE_FILE
-        if state.global_step > 0 and path.exists():
-            return json.loads(path.read_text())["completions"]
-        if state.global_step > 0:
+        reference = json.loads(path.read_text()) if state.global_step > 0 and path.exists() else {}
+        if state.global_step > 0 and "completions" not in reference:
             logger.warning("Resumed without %s: probe drift is measured against the resumed policy.", path)
-        completions = self._sample_probes()
+        elif state.global_step > 0 and "base_policy" not in reference:
+            logger.warning("%s has no step-0 log-probs: base_kl is measured against the resumed policy.", path)
+        completions = reference.get("completions") or self._sample_probes()
+        if "base_policy" in reference:
+            return completions, [read_base_policy_row(row) for row in reference["base_policy"]]
+        base_policy = [
+            base_policy_row(token_ids, logps, self.base_kl_top_k)
+            for token_ids, logps, _ in self._score_completions(completions, with_teacher=False)
+        ]
         if state.is_world_process_zero:
+            rows = [{name: v.tolist() for name, v in row.items()} for row in base_policy]
             partial = path.with_suffix(".partial")  # written whole, then renamed: a kill never leaves half of it
-            partial.write_text(json.dumps({"step": state.global_step, "completions": completions}))
+            partial.write_text(
+                json.dumps({"step": state.global_step, "completions": completions, "base_policy": rows})
+            )
             partial.replace(path)
-        return completions
+        return completions, base_policy
 
     def _probe_texts(self, tokenizer) -> list[str]:
         """The probe prompts as text: conversations formatted with the tokenizer's chat template."""
@@ -280,9 +326,10 @@ class StateLoggingCallback(TrainerCallback):
         return getattr(self.trainer, "teacher_model", None) is not None
 
     @torch.no_grad()
-    def _teacher_disagreement(self, completions: list[str]) -> tuple[dict[str, float], list[list[float]]]:
-        """Exact reverse KL of the student from the teacher at every token of the probe completions (each probe
-        prompt followed by its completion), overall, by token kind and by prefix-length bin.
+    def _score_completions(self, completions: list[str], with_teacher: bool):
+        """Score each probe prompt followed by its completion with the current policy (and the teacher): yields, per
+        completion, its token ids and the `(tokens, vocabulary)` log-probs each model gives at its positions, at the
+        trainer's sampling temperature, over the tokenizer's ids (a padded head's extra rows left out).
 
         Every rank scores the same rows (ZeRO-3 forwards are collective); four rows at a time bound the
         `(rows, length, vocabulary)` logits.
@@ -291,12 +338,10 @@ class StateLoggingCallback(TrainerCallback):
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         prompts = self._probe_texts(tokenizer)
         temperature = getattr(trainer, "temperature", 1.0) or 1.0
-        digit = self._number_token_table(tokenizer)
         device = trainer.accelerator.device
-        student, teacher = trainer.model, trainer.teacher_model
+        student = trainer.model
         student_was_training = student.training
         student.eval()
-        kls, numbers, prefix = [], [], []
         try:
             for start in range(0, len(prompts), 4):
                 rows = []
@@ -311,27 +356,69 @@ class StateLoggingCallback(TrainerCallback):
                     input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
                     attention_mask[i, : len(p) + len(c)] = 1
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-                student_logits = student(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-                teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-                vocab = min(student_logits.size(-1), teacher_logits.size(-1), len(digit))  # padded heads: real ids
-                student_logp = torch.log_softmax(student_logits[..., :vocab] / temperature, dim=-1)
-                teacher_logp = torch.log_softmax(teacher_logits[..., :vocab] / temperature, dim=-1)
-                kl = (student_logp.exp() * (student_logp - teacher_logp)).sum(-1).cpu()
+                logits = student(input_ids=input_ids, attention_mask=attention_mask).logits
+                vocab = min(logits.size(-1), len(tokenizer))
+                student_logps = torch.log_softmax(logits[..., :vocab].float() / temperature, dim=-1)
+                teacher_logps = None
+                if with_teacher:
+                    logits = trainer.teacher_model(input_ids=input_ids, attention_mask=attention_mask).logits
+                    teacher_logps = torch.log_softmax(logits[..., :vocab].float() / temperature, dim=-1)
                 for i, (p, c) in enumerate(rows):
                     # the token at position len(p) + k is predicted from position len(p) + k - 1
-                    kls.append(kl[i, len(p) - 1 : len(p) + len(c) - 1])
-                    numbers.append(digit[torch.tensor(c, dtype=torch.long)])
-                    prefix.append(torch.arange(len(c)))
+                    span = slice(len(p) - 1, len(p) + len(c) - 1)
+                    yield (
+                        torch.tensor(c, dtype=torch.long, device=device),
+                        student_logps[i, span],
+                        None if teacher_logps is None else teacher_logps[i, span],
+                    )
         finally:
             student.train(student_was_training)
-        kl, number, prefix_len = torch.cat(kls).double(), torch.cat(numbers), torch.cat(prefix)
+
+    def _teacher_disagreement(self, completions: list[str]) -> tuple[dict[str, float], list[list[float]]]:
+        """Exact reverse KL of the student from the teacher at every token of the probe completions (each probe
+        prompt followed by its completion), overall, by token kind and by prefix-length bin."""
+        return self._teacher_kl_metrics(
+            [
+                (token_ids.cpu(), reverse_kl(student, teacher))
+                for token_ids, student, teacher in self._score_completions(completions, with_teacher=True)
+            ]
+        )
+
+    def _reference_divergences(self) -> dict[str, float]:
+        """`base_kl` and `base_kl_topk` on the step-0 completions, and `teacher_kl_fixed` there with a teacher: one
+        forward pass of the policy (and the teacher) over them."""
+        base_kl, base_kl_topk, teacher = [], [], []
+        scored = self._score_completions(self._reference_texts, with_teacher=self._has_teacher())
+        for base, (token_ids, logps, teacher_logps) in zip(self._base_policy, scored, strict=True):
+            log_ratio, topk_kl = base_divergences(base, token_ids, logps)
+            base_kl.append(log_ratio)
+            base_kl_topk.append(topk_kl)
+            if teacher_logps is not None:
+                teacher.append((token_ids.cpu(), reverse_kl(logps, teacher_logps)))
+        tokens = max(sum(len(row) for row in base_kl), 1)
+        metrics = {
+            "base_kl": sum(row.sum().item() for row in base_kl) / tokens,
+            "base_kl_topk": sum(row.sum().item() for row in base_kl_topk) / tokens,
+        }
+        if teacher:
+            metrics["teacher_kl_fixed"] = self._teacher_kl_metrics(teacher)[0]["teacher_kl"]
+        return metrics
+
+    def _teacher_kl_metrics(self, scored: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Per-token reverse KLs (`(token_ids, kl)` per completion) summed up overall, by token kind and by
+        prefix-length bin."""
+        tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+        digit = self._number_token_table(tokenizer)
+        kl = torch.cat([row_kl for _, row_kl in scored]).double()
+        number = torch.cat([digit[token_ids] for token_ids, _ in scored])
+        prefix_len = torch.cat([torch.arange(len(token_ids)) for token_ids, _ in scored])
         tokens = max(kl.numel(), 1)
         metrics = {
             "teacher_kl": kl.sum().item() / tokens,
             "teacher_kl_number": kl[number].mean().item() if number.any() else float("nan"),
             "teacher_kl_other": kl[~number].mean().item() if (~number).any() else float("nan"),
             "number_frac": number.double().sum().item() / tokens,
-            "probe_tokens": kl.numel() / len(prompts),
+            "probe_tokens": kl.numel() / len(scored),
         }
         bins = torch.log2(prefix_len.double() + 1).floor().long()
         by_prefix = [
@@ -361,6 +448,53 @@ def seeded_rng(device: torch.device, seed: int):
         if accelerated:
             torch.get_device_module(device.type).manual_seed(seed)
         yield
+
+
+def reverse_kl(student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+    """Exact `KL(p_S || p_T)` over the vocabulary at each position, from `(positions, vocabulary)` log-probs."""
+    return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1).cpu()
+
+
+def base_policy_row(token_ids: torch.Tensor, logps: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """What the step-0 policy gives one probe completion, for `base_kl` later: at each of its positions the log-prob
+    of its token (`logps`), the `top_k` most likely ids with their log-probs (`top_ids`, `top_logps`) and the
+    probability left outside them (`tail_mass`). `logps` is `(tokens, vocabulary)`; float32 values on the CPU."""
+    top_logps, top_ids = logps.topk(min(top_k, logps.size(-1)), dim=-1)
+    return {
+        "logps": logps.gather(-1, token_ids[:, None])[:, 0].cpu(),
+        "top_ids": top_ids.cpu(),
+        "top_logps": top_logps.cpu(),
+        "tail_mass": logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1).exp().cpu(),
+    }
+
+
+def read_base_policy_row(row: dict[str, list]) -> dict[str, torch.Tensor]:
+    """A [`base_policy_row`] read back from `drift_reference.json`, the same values and shapes (an empty completion's
+    `top_ids` and `top_logps` are `(0, 0)`)."""
+    tokens = len(row["logps"])
+    top_shape = (tokens, -1 if tokens else 0)
+    return {
+        "logps": torch.tensor(row["logps"], dtype=torch.float32),
+        "top_ids": torch.tensor(row["top_ids"], dtype=torch.long).reshape(top_shape),
+        "top_logps": torch.tensor(row["top_logps"], dtype=torch.float32).reshape(top_shape),
+        "tail_mass": torch.tensor(row["tail_mass"], dtype=torch.float32),
+    }
+
+
+def base_divergences(base: dict[str, torch.Tensor], token_ids: torch.Tensor, logps: torch.Tensor):
+    """Per token of one step-0 completion: `log pi_0(y_t) - log pi_theta(y_t)` (the sampled estimate of the forward
+    KL) and the exact KL between `pi_0` and `pi_theta` bucketed into `pi_0`'s top-k ids plus the rest
+    (see [`StateLoggingCallback`]). `base` is the completion's [`base_policy_row`], `logps` the current policy's
+    `(tokens, vocabulary)` log-probs. Float64 on the CPU; both exactly 0 for an unchanged policy."""
+    log_ratio = base["logps"].double() - logps.gather(-1, token_ids[:, None])[:, 0].double().cpu()
+    top_ids = base["top_ids"].to(logps.device)
+    current_top = logps.gather(-1, top_ids).double().cpu()
+    current_tail = logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1).exp().double().cpu()
+    base_top, base_tail = base["top_logps"].double(), base["tail_mass"].double()
+    top = (base_top.exp() * (base_top - current_top)).sum(-1)
+    # 0 log(0 / q) = 0: with k = vocabulary size there is no tail
+    tail = torch.where(base_tail > 0, base_tail * (base_tail.log() - current_tail.log()), 0.0)
+    return log_ratio, top + tail
 
 
 def check_no_ledger(output_dir) -> None:

@@ -64,7 +64,9 @@ class OnPolicyDistillConfig(GRPOConfig):
             - `"divergence"`: the full-vocabulary generalised JSD with `jsd_beta` between student and teacher
               next-token distributions at every completion state, computed in chunks over positions with TRL's
               kernel (the `(B, T, V)` logits are never materialised); `jsd_beta=1` is TRL's
-              `DistillationTrainer(beta=1)` loss.
+              `DistillationTrainer(beta=1)` loss. With a served teacher, the same divergence on the teacher's
+              top-k tokens plus a tail bucket (see `teacher_top_k`); there the student's full log-softmax at the
+              supervised positions is formed (in chunks of 1024 positions) and kept for the backward.
         kl_discount (`float`, *optional*, defaults to `0.0`):
             Discount $\gamma$ of future per-token reverse KL in the `reverse_kl` advantage; `0` uses each token's
             own KL only.
@@ -96,10 +98,27 @@ class OnPolicyDistillConfig(GRPOConfig):
             Base URL of a `vllm serve` server running the teacher (TRL's name, as in its `ServerDistillationConfig`),
             e.g. `"http://localhost:8000"`. Set, no teacher weights are loaded in the training processes: each rank
             asks the server for the teacher log-probs of its own rows (`reverse_kl`: exact, from vLLM's prompt
-            log-probs of the actual tokens) and for the teacher's tokens (`continuation`, the `teacher` state source)
-            sampled with this config's `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`. Needs
-            `temperature=1.0` (vLLM scores prompts with unscaled logits) and a `signal` other than `"divergence"`
-            (the full next-token distribution is not served).
+            log-probs of the actual tokens), for the teacher's tokens (`continuation`, the `teacher` state source)
+            sampled with this config's `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`, and
+            (`divergence`) for its `teacher_top_k` most likely tokens at each completion position. Needs
+            `temperature=1.0` (vLLM scores prompts with unscaled logits).
+        teacher_top_k (`int`, *optional*, defaults to `32`):
+            Teacher tokens per position that `signal="divergence"` uses with a served teacher (TRL's name, as in its
+            `AsyncDistillationConfig`): the server returns the teacher's top-k log-probs (vLLM's
+            `prompt_logprobs=teacher_top_k`; above 20 the server needs `--max-logprobs teacher_top_k` or `-1`,
+            checked at start-up), and the divergence is the generalised JSD with `jsd_beta` on k+1 categories, the
+            teacher's top-k token set $K_t$ at the state plus one tail bucket holding the rest of each model's mass:
+            $\tilde p(v) = p(v|s_t)$ for $v \in K_t$ and $\tilde p(\mathrm{tail}) = 1 - \sum_{v \in K_t} p(v|s_t)$, for
+            the teacher and the student alike (the student's from its full softmax, so its gradient reaches every
+            logit through the normaliser). Then $D = KL(\tilde p_T \| \tilde p_S)$ at `jsd_beta=0`,
+            $KL(\tilde p_S \| \tilde p_T)$ at `jsd_beta=1`, and
+            $\beta\,KL(\tilde p_T \| m) + (1-\beta)\,KL(\tilde p_S \| m)$ with $m = (1-\beta)\tilde p_S + \beta \tilde p_T$
+            otherwise, summed over supervised states and normalised as the exact loss. The teacher's tail is
+            floored at 1e-7 (float rounding of its top-k sum), ids past the student's vocabulary count in its tail,
+            and with `teacher_top_k` equal to the vocabulary size there is no tail: the exact divergence. The
+            default is the smallest k whose loss and gradient stayed close to the exact ones on the lab
+            (BENCHMARKS.md, "Top-k divergence from a served teacher"). An in-process teacher always gives the exact
+            full-vocabulary divergence.
         teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
             Seconds to wait for the server at start-up, and for each answer.
         teacher_server_max_retries (`int`, *optional*, defaults to `3`):
@@ -150,6 +169,12 @@ class OnPolicyDistillConfig(GRPOConfig):
         default=True,
         metadata={"help": "Score each batch on the teacher server in the background, overlapping the student's work."},
     )
+    teacher_top_k: int = field(
+        default=32,
+        metadata={
+            "help": "Teacher top-k log-probs per position for `divergence` with a served teacher (plus a tail)."
+        },
+    )
 
     # JSON strings from the command line become dicts in `TrainingArguments.__post_init__`, as TRL's dict fields do
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["state_source_mix", "teacher_model_init_kwargs"]
@@ -165,6 +190,11 @@ class OnPolicyDistillConfig(GRPOConfig):
             )
         if not 0.0 <= self.kl_discount <= 1.0:
             raise ValueError(f"kl_discount must be in [0, 1], got {self.kl_discount}")
+        if self.teacher_top_k < 1:
+            raise ValueError(
+                f"teacher_top_k must be at least 1 teacher token per position, got {self.teacher_top_k} (the "
+                "divergence from a served teacher is computed on its top-k tokens plus a tail bucket)"
+            )
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.jsd_beta}")
         mix = {"learner": 1.0} if self.state_source_mix is None else dict(self.state_source_mix)
@@ -259,13 +289,6 @@ class OnPolicyDistillConfig(GRPOConfig):
             )
 
     def _check_teacher_server_settings(self):
-        if self.signal == "divergence":
-            raise ValueError(
-                "signal='divergence' needs the teacher's full next-token distribution at every state, which a vLLM "
-                "server does not return (its log-probs are the top-k plus the actual token): with "
-                "teacher_model_server_url use signal='reverse_kl' (exact through the server) or 'continuation', or "
-                "load the teacher in the training processes (teacher_model, without teacher_model_server_url)"
-            )
         if self.temperature != 1.0:
             raise ValueError(
                 f"temperature={self.temperature} with teacher_model_server_url: vLLM scores given tokens at "

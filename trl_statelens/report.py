@@ -564,7 +564,10 @@ def plot_drift(runs, styles, out_dir) -> Path | None:
     with_drift = [run for run in runs if column(run.drift, "mmd") is not None]
     if not with_drift:
         return None
-    figure, (mmd_ax, sw_ax) = new_figure(TALL_FIGURE_SIZE, rows=2)
+    with_base_kl = [run for run in with_drift if column(run.drift, "base_kl") is not None]
+    rows = 3 if with_base_kl else 2
+    figure, axes = new_figure((TALL_FIGURE_SIZE[0], TALL_FIGURE_SIZE[1] * rows / 2), rows=rows)
+    mmd_ax, sw_ax = axes[0], axes[1]
     for run in with_drift:
         steps = run.drift["step"].to_numpy(dtype=float)
         plot_curve(mmd_ax, steps, column(run.drift, "mmd"), styles[run.label], run.label, smooth=False)
@@ -575,7 +578,19 @@ def plot_drift(runs, styles, out_dir) -> Path | None:
     mmd_ax.set_ylabel("MMD² (RBF kernel)")
     sw_ax.set_title("Probe drift: sliced Wasserstein distance")
     sw_ax.set_ylabel("sliced Wasserstein")
-    sw_ax.set_xlabel("optimizer step")
+    if with_base_kl:
+        kl_ax = axes[2]
+        for run in with_base_kl:
+            style, steps = styles[run.label], run.drift["step"].to_numpy(dtype=float)
+            plot_curve(kl_ax, steps, column(run.drift, "base_kl"), style, run.label, smooth=False)
+            if column(run.drift, "base_kl_topk") is not None:
+                kl_ax.plot(
+                    steps, column(run.drift, "base_kl_topk"), color=style["color"], linestyle="--", linewidth=1.0
+                )
+        kl_ax.set_title("Forward KL(π₀ ‖ π_θ) per probe token: base_kl, base_kl_topk (dashed)")
+        kl_ax.set_ylabel("nats per token")
+        kl_ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
+    axes[-1].set_xlabel("optimizer step")
     finish_legend(mmd_ax)
     return save(figure, out_dir, "drift.png")
 

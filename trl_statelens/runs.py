@@ -35,8 +35,8 @@ from .evaluation import (
     parse_limit,
     retention_summary,
 )
-from .opd_trainer import without_zero3_init
 from .real_models import SMOLLM2, build_smollm2
+from .teachers import without_zero3_init
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
 LAB_TEACHER = "lab-teacher"

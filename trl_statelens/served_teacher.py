@@ -1,9 +1,9 @@
 """A teacher served by vLLM (`vllm serve`), reached through TRL's `VLLMClient`.
 
 [`ServedTeacher`] checks the server before any training work (reachable, serves a model, same vocabulary as the
-student), then answers the two questions on-policy distillation asks a teacher: the log-prob of given tokens
-(exact: vLLM's prompt log-probs always include the actual token, whatever its rank) and continuations of given
-token prefixes. Failed requests are retried a bounded number of times with exponential backoff when the failure
+student), then answers what on-policy distillation asks a teacher: the log-prob of given tokens (exact: vLLM's
+prompt log-probs always include the actual token, whatever its rank), optionally with the teacher's top-k tokens and
+log-probs at each position (`top_logps`), and continuations of given token prefixes. Failed requests are retried a bounded number of times with exponential backoff when the failure
 can pass (no connection, timeout, 5xx, 429), then raise [`TeacherServerError`]; a request the server rejects
 (4xx) raises at once, with the server's message.
 """
@@ -151,6 +151,9 @@ class ServedTeacher:
         retry_backoff (`float`): seconds before the first retry, doubled for each further one.
         chunk_size (`int`): sequences per scoring request (`0`: one request per call), sent on up to
             `max_concurrent_requests` threads, as TRL's `get_sequence_logprobs` does.
+        top_k (`int`): the most top log-probs per position training will ask for (`top_logps`); the start-up probe
+            asks for as many, so that a server whose `--max-logprobs` cap is lower is refused before training.
+            `0`: the actual token's only.
     """
 
     def __init__(
@@ -164,10 +167,12 @@ class ServedTeacher:
         retry_backoff: float = 2.0,
         chunk_size: int = 0,
         max_concurrent_requests: int = 4,
+        top_k: int = 0,
     ):
         self.base_url = base_url.rstrip("/")
         self.max_retries, self.retry_backoff = max_retries, retry_backoff
         self.student_vocab_size = student_vocab_size
+        self.top_k = top_k
         self.chunk_size, self.max_concurrent_requests = chunk_size, max_concurrent_requests
         self.retries = 0  # requests repeated after a transient failure, over this object's life
         self._wait_until_healthy(timeout)
@@ -216,15 +221,28 @@ class ServedTeacher:
                     f"the teacher's tokenizer ({name}) maps tokens to ids differently from the student's: the same ids "
                     f"would mean different text to each model. {hint}"
                 )
-        # Score the student's largest id: vLLM refuses ids past the served model's vocabulary. Only its own log-prob
-        # is asked for (prompt_logprobs=0), as in training, so the server needs no --max-logprobs flag.
+        # Score the student's largest id: vLLM refuses ids past the served model's vocabulary. As many log-probs are
+        # asked for as training will ask (`top_k`; 0, the actual token's only, needs no --max-logprobs flag), so
+        # that vLLM's cap on them is met now rather than at the first step.
         probe = [0, student_vocab_size - 1]
-        payload = {"model": self.model, "prompt": [probe], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        payload = {
+            "model": self.model,
+            "prompt": [probe],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": self.top_k,
+        }
         try:
             choice = self._request(
                 "a vocabulary probe", self.client.session.post, f"{self.base_url}/v1/completions", json=payload
             ).json()["choices"][0]
         except TeacherServerError as error:
+            if self.top_k and "logprobs" in str(error) and "HTTP 400" in str(error):
+                raise TeacherServerError(
+                    f"the server at {self.base_url} refuses {self.top_k} log-probs per position ({error}): vLLM caps "
+                    f"them at --max-logprobs (20 by default). Restart it with `--max-logprobs {self.top_k}` (or "
+                    "`--max-logprobs -1`, the whole vocabulary), or lower teacher_top_k."
+                ) from error
             if "out of vocabulary" in str(error):
                 raise TeacherServerError(
                     f"the served model {self.model!r} has fewer tokens than the student ({student_vocab_size}): id "
@@ -264,21 +282,32 @@ class ServedTeacher:
     def logps(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """The teacher's log-prob of each token of `sequences[i][prompt_lengths[i]:]` given the tokens before it,
         at temperature 1 (vLLM scores prompts with unscaled logits, whatever the request's temperature)."""
+        return [row["actual_logprobs"] for row in self._score(sequences, prompt_lengths, 0)]
+
+    def top_logps(self, sequences: list[list[int]], prompt_lengths: list[int], top_k: int) -> list[dict]:
+        """As `logps`, plus the teacher's `top_k` most likely tokens at each of those positions: per sequence a dict
+        with `"actual_logprobs"` (one value per scored token), `"logprob_token_ids"` and `"logprobs"` (`top_k` per
+        position, most likely first, from vLLM's `prompt_logprobs=top_k`; an answer with fewer is padded with id 0 at
+        `-inf`, as TRL pads it)."""
+        return self._score(sequences, prompt_lengths, top_k)
+
+    def _score(self, sequences: list[list[int]], prompt_lengths: list[int], top_k: int) -> list[dict]:
         if not sequences:
             return []
 
         # TRL's `get_sequence_logprobs` request and parsing, sent from daemon threads (see `run_concurrently`)
-        def score(chunk_sequences: list[list[int]], chunk_prompt_lengths: list[int]) -> list[list[float]]:
+        def score(chunk_sequences: list[list[int]], chunk_prompt_lengths: list[int]) -> list[dict]:
             payload = {
                 "model": self.model,
                 "prompt": chunk_sequences,
                 "max_tokens": 1,
                 "temperature": 1.0,
-                "prompt_logprobs": 0,  # the actual token only: vLLM always returns it, so nothing is truncated
+                # 0: the actual token only (vLLM always returns it, so nothing is truncated); k: the top-k as well
+                "prompt_logprobs": top_k,
             }
             choices = self.client._post(f"{self.base_url}/v1/completions", json=payload)["choices"]
             return [
-                VLLMClient._format_sequence_logprobs(choice, sequence, start, 0)["actual_logprobs"]
+                VLLMClient._format_sequence_logprobs(choice, sequence, start, top_k)
                 for choice, sequence, start in zip(choices, chunk_sequences, chunk_prompt_lengths, strict=True)
             ]
 
@@ -287,14 +316,15 @@ class ServedTeacher:
         answers = run_concurrently(
             lambda *chunk: self._request("scoring", score, *chunk), chunks, self.max_concurrent_requests
         )
-        logps = [[position[0] for position in row] for answer in answers for row in answer]
-        for row, sequence, start in zip(logps, sequences, prompt_lengths, strict=True):
-            if len(row) != len(sequence) - start or any(math.isinf(v) for v in row):
+        rows = [row for answer in answers for row in answer]
+        for row, sequence, start in zip(rows, sequences, prompt_lengths, strict=True):
+            row["actual_logprobs"] = logps = [position[0] for position in row["actual_logprobs"]]
+            if len(logps) != len(sequence) - start or any(math.isinf(v) for v in logps):
                 raise TeacherServerError(
                     f"the teacher server at {self.base_url} answered without the log-prob of every given token "
-                    f"({len(row)} values for {len(sequence) - start} tokens, or a missing token): is it vLLM?"
+                    f"({len(logps)} values for {len(sequence) - start} tokens, or a missing token): is it vLLM?"
                 )
-        return logps
+        return rows
 
     def generate(
         self,

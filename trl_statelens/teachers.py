@@ -1,0 +1,498 @@
+"""The teacher of on-policy distillation, behind one interface whatever runs it.
+
+[`OnPolicyDistillTrainer`] asks its teacher for three things, and calls nothing else:
+
+- `generate(prompts, max_new_tokens, prefixes)`: the teacher's own tokens after each prompt (and student prefix),
+  for the `teacher` state source and the `continuation` signal;
+- `score(prompts, completions, distribution)`: start scoring a batch's rows, the teacher's log-prob of each
+  completion token and, with `distribution`, its next-token distribution at each completion position where it
+  gives one ahead of the loss; the answer may come later ([`TeacherRow`], read with [`resolve_rows`]);
+- `divergence_loss(...)`: the `divergence` loss between the student's next-token distributions and its own.
+
+Its vocabulary and tokenizer are checked against the student's when it is made. Two kinds:
+
+- [`InProcessTeacher`]: a model in the training processes (DDP, DeepSpeed ZeRO-3 and all), scored with the
+  trainer's chunked LM-head path; its `divergence_loss` is TRL's exact full-vocabulary generalised JSD;
+- [`RemoteTeacher`]: a vLLM server reached through [`ServedTeacher`], whose scoring requests can run in the background
+  while the student works (`teacher_server_overlap`); its `divergence_loss` uses the teacher's top-k log-probs plus a
+  tail bucket ([`topk_tail_divergence`]).
+
+Every rank calls every method with its own rows, none included: an in-process teacher under ZeRO-3 gathers its
+parameters collectively, so each rank must join while any rank has rows (a served teacher is asked for a rank's own
+rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a router can
+later send each row to the teacher of its `teacher_id`, and a teacher that is the student itself behind a privileged
+prompt can replace the prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import AutoTokenizer, PreTrainedModel
+from transformers.utils.peft_utils import find_adapter_config_file
+from trl.models import prepare_deepspeed, unwrap_model_for_generation
+from trl.trainer.distillation_trainer import _chunked_divergence_loss
+from trl.trainer.utils import add_fused_lm_head, create_model_from_path, pad
+
+from .callback import trainer_generation_config
+from .heads import _completion_hidden_states, _head_logps, _logit_post_processing, topk_tail_divergence
+
+logger = logging.getLogger(__name__)
+
+
+class TeacherRow(NamedTuple):
+    """Row `index` of a batch the teacher scored, or is scoring: `scores` is answered (maybe later, from a background
+    request) with one [`RowScores`] per row of that batch. A batch's teacher scores are a list of these, one per
+    row: GRPO shuffles and splits lists with the batch's tensors, so each micro-batch keeps its rows' handles."""
+
+    scores: Future
+    index: int
+
+
+class RowScores(NamedTuple):
+    """A row's teacher scores over its completion tokens: `logps` `(n,)`, and with a distribution asked for, the
+    teacher's `top_ids` and `top_logps` `(n, k)` per position (`-inf` where absent)."""
+
+    logps: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logps: torch.Tensor | None = None
+
+
+class ResolvedScores(NamedTuple):
+    """A micro-batch's teacher scores as tensors like its `completion_ids` `(B, T)`, 0 where `completion_mask` is 0;
+    `top_ids`/`top_logps` `(B, T, k)` or `None`."""
+
+    logps: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_logps: torch.Tensor | None
+
+
+def answered(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def resolve_rows(rows: list[TeacherRow], completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+    """The scores of `rows` as [`ResolvedScores`] on `completion_ids`' device, once every answer is in (a failed
+    background request raises its error here, in the training thread)."""
+    scores = [row.scores.result()[row.index] for row in rows]
+    device, shape = completion_ids.device, completion_ids.shape
+    logps = torch.zeros(shape, dtype=scores[0].logps.dtype, device=device)
+    has_top = scores[0].top_ids is not None
+    if has_top:
+        k = scores[0].top_ids.size(-1)
+        top_ids = torch.zeros((*shape, k), dtype=torch.long, device=device)
+        top_logps = torch.full((*shape, k), float("-inf"), device=device)
+    for i, row in enumerate(scores):
+        n = row.logps.size(0)
+        logps[i, :n] = row.logps.to(device)
+        if has_top:
+            top_ids[i, :n], top_logps[i, :n] = row.top_ids.to(device), row.top_logps.to(device)
+    mask = completion_mask.bool()
+    logps = torch.where(mask, logps, torch.zeros_like(logps))
+    if not has_top:
+        return ResolvedScores(logps, None, None)
+    return ResolvedScores(logps, top_ids, top_logps.masked_fill(~mask[..., None], float("-inf")))
+
+
+class Teacher:
+    """What [`OnPolicyDistillTrainer`] asks of a teacher (see the module docstring). `model` is the teacher model in
+    the training processes (prepared for their device/DeepSpeed setup), `None` when it runs elsewhere."""
+
+    model: PreTrainedModel | None = None
+
+    def session(self):
+        """A context manager around training (the background requests of a served teacher)."""
+        return nullcontext()
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, prefixes: list[list[int]] | None = None
+    ) -> list[list[int]]:
+        """Up to `max_new_tokens` teacher tokens after each prompt (followed by its prefix, if given), sampled with
+        the student's settings but not its length floor; each ends at (and includes) its first eos."""
+        raise NotImplementedError
+
+    def score(
+        self, prompts: list[list[int]], completions: list[list[int]], distribution: bool = False
+    ) -> list[TeacherRow] | None:
+        """Start scoring each completion after its prompt; with `distribution`, the next-token distribution at each
+        completion position too, or `None` when this teacher computes it within the loss instead."""
+        raise NotImplementedError
+
+    def divergence_loss(
+        self, student, student_hidden, batch: dict, loss_mask, normalizer, beta: float, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `divergence` loss of a micro-batch (`batch`: its prompt and completion tensors, and its `teacher_logps`
+        rows from `score(..., distribution=True)`) given the student's (unwrapped `student`) final hidden states
+        `(B, T, H)` at its completion positions, summed over positions with `loss_mask != 0` and divided by
+        `normalizer`; and the teacher's log-prob of each completion token `(B, T)`, for the metrics."""
+        raise NotImplementedError
+
+
+def _join(prompts, prefixes):
+    return [p + q for p, q in zip(prompts, prefixes, strict=True)] if prefixes is not None else list(prompts)
+
+
+def _first_eos(rows: list[list[int]], eos_token_ids) -> list[list[int]]:
+    ends = [next((j for j, t in enumerate(row) if t in eos_token_ids), None) for row in rows]
+    return [row if end is None else row[: end + 1] for row, end in zip(rows, ends)]
+
+
+class InProcessTeacher(Teacher):
+    """A teacher model in the training processes: frozen, in eval mode, prepared as the student is (device, DDP,
+    DeepSpeed), scored through `trainer`'s chunked LM-head path, generating with `trainer`'s sampling settings.
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] it serves (its accelerator, forward path and sampling settings).
+        model (`PreTrainedModel`): the teacher.
+        path (`str`, *optional*): where it was loaded from, to check its tokenizer against the student's.
+    """
+
+    def __init__(self, trainer, model: PreTrainedModel, path: str | None = None):
+        args = trainer.args
+        _check_same_vocabulary(trainer.model, trainer._tokenizer, model, path, args.signal)
+        model.eval()
+        model.requires_grad_(False)
+        add_fused_lm_head(model, temperature=trainer.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+        if trainer.is_deepspeed_enabled:
+            self.model = prepare_deepspeed(model, trainer.accelerator)
+        else:
+            self.model = trainer.accelerator.prepare_model(model, evaluation_mode=True)
+        self.trainer = trainer
+
+    def _any_rank_has(self, rows: list) -> bool:
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return bool(rows)
+        return accelerator.gather(torch.tensor([len(rows)], device=accelerator.device)).sum().item() > 0
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, prefixes=None):
+        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): while any rank has rows,
+        # every rank generates, a rank without any on a stand-in row whose continuation it drops.
+        sequences = _join(prompts, prefixes)
+        if not self._any_rank_has(sequences):
+            return []
+        trainer = self.trainer
+        pad_id = trainer._tokenizer.pad_token_id
+        rows = [torch.tensor(s, dtype=torch.long) for s in sequences or [[pad_id]]]
+        device = trainer.accelerator.device
+        input_ids = pad(rows, padding_value=pad_id, padding_side="left").to(device)
+        attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
+        generation_config = trainer_generation_config(trainer)
+        generation_config.max_new_tokens = max_new_tokens
+        # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
+        # continuation ends at its own eos, as a served teacher's does
+        generation_config.min_new_tokens, generation_config.min_length = None, 0
+        # A teacher whose output layer is padded past the student's vocabulary never writes those ids (the student
+        # could not read them): its distribution is renormalised over the ids both share
+        student_vocab, teacher_vocab = map(_vocab_size, (trainer.model, self.model))
+        if teacher_vocab > student_vocab:
+            generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
+        with unwrap_model_for_generation(
+            self.model, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
+        ) as teacher:
+            out = teacher.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+            )
+        return _first_eos(out[:, input_ids.size(1) :].tolist(), trainer.eos_token_ids)[: len(sequences)]
+
+    @torch.no_grad()
+    def score(self, prompts, completions, distribution=False):
+        """Log-probs through the trainer's fused LM head, in chunks of the per-device batch size (as GRPO scores its
+        reference model), on the rows padded as GRPO pads a batch; the full distribution is not fetched ahead:
+        `divergence_loss` projects it within the loss's forward."""
+        if distribution:
+            return None
+        trainer = self.trainer
+        pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
+        device = trainer.accelerator.device
+        prompt_rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        prompt_ids = pad(prompt_rows, padding_value=pad_id, padding_side="left", pad_to_multiple_of=multiple)
+        prompt_mask = pad([torch.ones_like(r) for r in prompt_rows], 0, "left", pad_to_multiple_of=multiple)
+        # An empty completion (a rollout masked whole) is one masked padding token
+        completion_rows = [torch.tensor(c or [pad_id], dtype=torch.long) for c in completions]
+        completion_ids = pad(completion_rows, padding_value=pad_id, pad_to_multiple_of=multiple)
+        masks = [torch.full_like(r, int(bool(c))) for r, c in zip(completion_rows, completions)]
+        completion_mask = pad(masks, padding_value=0, pad_to_multiple_of=multiple)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
+        args = trainer.args
+        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            self.model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
+        )
+        return _rows_answered([RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)])
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
+        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens."""
+        trainer = self.trainer
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        num_completion = batch["completion_ids"].size(1)
+        teacher = trainer.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            teacher_hidden = trainer._forward_redirection(
+                self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
+            )
+        student_head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
+        (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
+            _logit_post_processing, (student, teacher)
+        )
+        loss, _, _ = _chunked_divergence_loss(
+            student_hidden,
+            teacher_hidden,
+            student_head.weight,
+            teacher_head.weight,
+            loss_mask,
+            beta=beta,
+            num_items_in_batch=normalizer,
+            student_lm_head_bias=student_head.bias,
+            teacher_lm_head_bias=teacher_head.bias,
+            student_logit_scale=student_scale,
+            teacher_logit_scale=teacher_scale,
+            student_final_logit_softcapping=student_softcap,
+            teacher_final_logit_softcapping=teacher_softcap,
+            temperature=temperature,
+        )
+        with torch.no_grad():
+            teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
+        return loss, teacher_logps
+
+
+def _rows_answered(scores: list[RowScores]) -> list[TeacherRow]:
+    batch = answered(scores)
+    return [TeacherRow(batch, i) for i in range(len(scores))]
+
+
+class RemoteTeacher(Teacher):
+    """A teacher behind a vLLM server, through [`ServedTeacher`]; every rank asks for its own rows (no collective;
+    vLLM batches the ranks' concurrent requests itself).
+
+    Args:
+        server ([`ServedTeacher`]): the checked client.
+        sampling (`dict`): `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` of its continuations.
+        eos_token_ids (`list[int]`): where a continuation ends.
+        seed_generator (`torch.Generator`): draws one seed per continuation (vLLM would sample a request's identical
+            prefixes alike).
+        overlap (`bool`): send scoring requests from a background thread during `session()`.
+        top_k (`int`): the top log-probs per position that `score(..., distribution=True)` asks for.
+    """
+
+    def __init__(self, server, sampling: dict, eos_token_ids, seed_generator, overlap: bool = True, top_k: int = 0):
+        self.server, self.sampling, self.eos_token_ids = server, sampling, eos_token_ids
+        self.seed_generator, self.overlap, self.top_k = seed_generator, overlap, top_k
+        self._requests = None
+
+    @classmethod
+    def connect(cls, trainer, path: str | None = None) -> RemoteTeacher:
+        """The teacher at `trainer.args.teacher_model_server_url`, checked now: reachable, serving a model with the
+        student's vocabulary (and, when `path` names the teacher, the student's tokenizer), and, with `divergence`,
+        answering `teacher_top_k` log-probs per position."""
+        from .served_teacher import ServedTeacher
+
+        args = trainer.args
+        teacher_tokenizer = _read_tokenizer(path)  # without one, the served vocabulary size is checked all the same
+        student_vocab = _vocab_size(trainer.model)
+        top_k = args.teacher_top_k if args.signal == "divergence" else 0
+        if top_k > student_vocab:
+            raise ValueError(
+                f"teacher_top_k={top_k} is more than the student's vocabulary ({student_vocab} ids): set it to at most "
+                f"{student_vocab} (that many is the exact divergence)"
+            )
+        server = ServedTeacher(
+            args.teacher_model_server_url,
+            trainer._tokenizer,
+            student_vocab,
+            teacher_tokenizer=teacher_tokenizer,
+            timeout=args.teacher_server_timeout,
+            max_retries=args.teacher_server_max_retries,
+            retry_backoff=args.teacher_server_retry_backoff,
+            chunk_size=args.teacher_server_chunk_size,
+            top_k=top_k,
+        )
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        sampling = {name: getattr(trainer, name) for name in names}
+        return cls(
+            server, sampling, trainer.eos_token_ids, trainer._source_generator, args.teacher_server_overlap, top_k
+        )
+
+    @contextmanager
+    def session(self):
+        if not self.overlap:
+            yield
+            return
+        from .served_teacher import BackgroundRequests
+
+        # One worker: a rank's scoring requests go out one at a time, in the order the batches were made. Shut down
+        # when training ends or fails, so that a crash does not leave the process waiting for a request in flight.
+        self._requests = BackgroundRequests("teacher-server")
+        try:
+            yield
+        finally:
+            self._requests.shutdown()
+            self._requests = None
+
+    def generate(self, prompts, max_new_tokens, prefixes=None):
+        sequences = _join(prompts, prefixes)
+        if not sequences:
+            return []
+        # A seed per row (vLLM would sample a request's identical prefixes alike), drawn from the run's seed
+        seeds = torch.randint(2**31 - 1, (len(sequences),), generator=self.seed_generator).tolist()
+        return self.server.generate(sequences, max_new_tokens, self.eos_token_ids, **self.sampling, seeds=seeds)
+
+    def score(self, prompts, completions, distribution=False):
+        """One request for the batch (each row without its padding), from the background worker during an
+        overlapped `session()` (its errors are raised where the answer is read), else at once. With `distribution`,
+        the teacher's `top_k` log-probs per position (vLLM's `prompt_logprobs=top_k`)."""
+        sequences, lengths = [p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts]
+        top_k = self.top_k if distribution else 0
+        if self._requests is not None:
+            batch = self._requests.submit(self._scores, sequences, lengths, top_k)
+        else:
+            batch = answered(self._scores(sequences, lengths, top_k))
+        return [TeacherRow(batch, i) for i in range(len(sequences))]
+
+    def _scores(self, sequences, lengths, top_k) -> list[RowScores]:
+        if not top_k:
+            return [RowScores(torch.tensor(row)) for row in self.server.logps(sequences, lengths)]
+        return [
+            RowScores(
+                torch.tensor(row["actual_logprobs"]),
+                torch.tensor(row["logprob_token_ids"], dtype=torch.long).view(-1, top_k),
+                torch.tensor(row["logprobs"], dtype=torch.float32).view(-1, top_k),
+            )
+            for row in self.server.top_logps(sequences, lengths, top_k)
+        ]
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
+        scores = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"])
+        loss = topk_tail_divergence(
+            student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
+        )
+        return loss, scores.logps
+
+
+def load_teacher(name_or_path: str, args) -> PreTrainedModel:
+    """Load a teacher given by path or hub id as TRL's trainers load theirs, for inference.
+
+    `args.teacher_model_init_kwargs` go to `from_pretrained`; the dtype defaults to `"auto"` (a bf16 checkpoint
+    stays bf16, as in TRL's `DistillationTrainer`) and, under multi-GPU DDP or DeepSpeed, `device_map` is `None` (as
+    TRL's GRPO/Distillation trainers set it: ZeRO-3 rejects a device map and "auto" would put every rank's copy on
+    the first GPU). A PEFT adapter folder (`adapter_config.json` plus adapter weights, what a LoRA SFT run saves)
+    is loaded as its base model plus the adapter, merged: the teacher only runs inference.
+
+    `args` is an [`OnPolicyDistillConfig`] or TRL's `DistillationConfig` (the recipes' stock arm loads its teacher
+    here too, so both arms accept the same teacher folders).
+    """
+    kwargs = dict(args.teacher_model_init_kwargs or {})
+    kwargs.setdefault("dtype", "auto")
+    kwargs.setdefault("use_safetensors", True)  # no pickle files: weights only
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        kwargs["device_map"] = None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if find_adapter_config_file(name_or_path, revision=kwargs.get("revision")) is None:
+        return create_model_from_path(name_or_path, **kwargs)
+    from peft import PeftConfig, PeftModel
+
+    revision = kwargs.pop("revision", None)  # the adapter's revision; its base model's is in adapter_config.json
+    adapter = PeftConfig.from_pretrained(name_or_path, revision=revision)
+    if adapter.revision is not None:
+        kwargs["revision"] = adapter.revision
+    # Under ZeRO-3, from_pretrained would partition the base as it loads, and PEFT would add the adapter's delta to
+    # the empty shards: load and merge a whole model on each process; preparing the teacher partitions it after.
+    with without_zero3_init():
+        base = create_model_from_path(adapter.base_model_name_or_path, **kwargs)
+        return PeftModel.from_pretrained(base, name_or_path, revision=revision).merge_and_unload()
+
+
+@contextmanager
+def without_zero3_init():
+    """Load whole models, not ZeRO-3 partitions, even inside a ZeRO-3 run.
+
+    Under ZeRO-3, `from_pretrained` partitions the weights across processes as it loads them (`zero.Init`, set up by
+    `TrainingArguments` whatever accelerate's `zero3_init_flag` says, so accelerate's
+    `zero3_init_context_manager(enable=False)` changes nothing then), a collective call: done by the main process
+    alone (evaluation) it would wait forever for the others, and a LoRA adapter cannot be merged into empty shards.
+    """
+    from transformers.integrations import deepspeed
+
+    saved = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def _read_tokenizer(path: str | None):
+    """The tokenizer saved with the teacher at `path`, or `None` (no path, or a checkpoint without a tokenizer)."""
+    if path is None:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _vocab_size(model) -> int:
+    """Rows of the model's output layer, from its config (unwrapped from PEFT/DDP/DeepSpeed; ZeRO-3-safe)."""
+    model = getattr(model, "module", model)  # DDP, DeepSpeed engine
+    model = model.get_base_model() if is_peft_model(model) else model
+    return model.config.get_text_config().vocab_size
+
+
+def _check_same_vocabulary(student, student_tokenizer, teacher, teacher_path: str | None, signal: str) -> None:
+    """The teacher must read the student's token ids as the student does. Its output layer may have more rows than the
+    student's, as when a larger model of a family is padded further (Qwen2.5-7B: 152064, Qwen2.5-0.5B: 151936, one
+    tokenizer): `reverse_kl` and `continuation` score the student's ids, all below the student's vocab_size, under
+    the teacher's softmax over its whole output layer (the teacher as it is: padding rows no tokenizer id reaches
+    carry next to no mass in a trained model), and the teacher never writes a padding id. `divergence` compares whole
+    next-token distributions, which needs the same width."""
+    student_vocab, teacher_vocab = _vocab_size(student), _vocab_size(teacher)
+    hint = "Use a teacher with the student's tokenizer, or TRL's GOLDTrainer for cross-tokenizer distillation."
+    if teacher_vocab < student_vocab:
+        raise ValueError(
+            f"the teacher's vocab_size ({teacher_vocab}) is smaller than the student's ({student_vocab}): on-policy "
+            f"distillation scores the student's tokens with the teacher, so every student id must be one of the "
+            f"teacher's. {hint}"
+        )
+    if teacher_vocab > student_vocab and signal == "divergence":
+        raise ValueError(
+            f"signal='divergence' compares the student's and the teacher's full next-token distributions, but the "
+            f"teacher's output layer has {teacher_vocab} rows and the student's {student_vocab}. If the extra rows are "
+            "padding (the same tokenizer), drop them from the teacher before training, "
+            f"`teacher.resize_token_embeddings({student_vocab})` (its distribution renormalised over the shared ids), "
+            "or use signal='reverse_kl' or 'continuation', which score the student's ids under the whole teacher"
+        )
+    teacher_tokenizer = _read_tokenizer(teacher_path)  # without one, the vocab_size checks above are all we can do
+    if teacher_tokenizer is None:
+        if teacher_vocab != student_vocab:
+            logger.warning(
+                "The teacher's output layer has %d rows, the student's %d, and no teacher tokenizer was read to check "
+                "that both map ids alike: the extra rows are taken as padding of the same tokenizer. Pass the "
+                "teacher as a path or hub id to have its tokenizer checked.",
+                teacher_vocab,
+                student_vocab,
+            )
+        return
+    if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise ValueError(
+            f"the teacher's tokenizer ({teacher_path}) maps tokens to ids differently from the student's: the same "
+            f"ids would mean different text to each model. {hint}"
+        )
+    if teacher_tokenizer.chat_template != student_tokenizer.chat_template:
+        logger.warning(
+            "The teacher's chat template (%s) differs from the student's: prompts are formatted with the student's "
+            "template and the teacher scores those tokens, so on conversational data the teacher reads a layout it "
+            "was not trained on. Use a teacher fine-tuned with the student's template, or plain-text prompts.",
+            teacher_path,
+        )
