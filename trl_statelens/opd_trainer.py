@@ -29,7 +29,7 @@ from .heads import (
 )
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
-from .teachers import InProcessTeacher, RemoteTeacher, load_teacher, resolve_rows
+from .teachers import InProcessTeacher, RemoteTeacher, TeacherRouter, load_teacher, load_teachers, resolve_rows
 
 logger = logging.getLogger(__name__)
 SOURCE_RNG_FILE = "statelens_source_rng_{rank}.pth"  # in each checkpoint, one per process
@@ -54,6 +54,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             and prepared for the same device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a
             vLLM server runs the teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no
             weights are loaded).
+
+            Several teachers: a dict name -> teacher, each an instance, a path/hub id/LoRA folder, or the URL of a
+            vLLM server running it (a string starting with `http://` or `https://`), in-process and served mixed. Each
+            row goes to the teacher its `teacher_id` column names (TRL's name); rows without the column, or with
+            `None`, go to the first teacher of the dict. Every signal and state source works per row; the metrics add
+            `statelens/teacher_kl/<name>` and `statelens/supervised_tokens/<name>` and the ledger's sequences carry
+            their `teacher`.
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
@@ -70,7 +77,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        teacher_model: str | PreTrainedModel | None = None,
+        teacher_model: str | PreTrainedModel | dict[str, str | PreTrainedModel] | None = None,
         args: OnPolicyDistillConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -87,13 +94,21 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if not isinstance(args, OnPolicyDistillConfig):
             raise TypeError(f"args must be an OnPolicyDistillConfig, got {type(args).__name__}")
         _check_dataset(train_dataset, args)
+        _check_teacher_ids(train_dataset, teacher_model)
         _check_no_images(train_dataset, eval_dataset)
         if args.use_vllm and args.state_source_mix.get("learner", 0.0) < 1.0:
             raise ValueError(
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
                 "importance-sampling correction would see log-probs of tokens the student did not sample"
             )
-        if args.teacher_model_server_url is not None:
+        if isinstance(teacher_model, dict):
+            if args.teacher_model_server_url is not None:
+                raise ValueError(
+                    "teacher_model_server_url serves a single teacher: with several teachers, give each served one's "
+                    "URL as its value in the teacher_model dict"
+                )
+            loaded_teachers = load_teachers(teacher_model, args)
+        elif args.teacher_model_server_url is not None:
             if not (teacher_model is None or isinstance(teacher_model, str)):
                 raise ValueError(
                     "teacher_model_server_url serves the teacher, so teacher_model must not be a model instance: "
@@ -133,11 +148,14 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._pending_teacher_scores = None
         self._forward_redirection = _ForwardRedirection()
         # Everything the trainer asks of its teacher goes through `self.teacher` (`teachers.py`)
-        if args.teacher_model_server_url is not None:
+        if isinstance(teacher_model, dict):
+            self.teacher = TeacherRouter.connect(self, loaded_teachers)
+        elif args.teacher_model_server_url is not None:
             self.teacher = RemoteTeacher.connect(self, teacher_path)
         else:
             self.teacher = InProcessTeacher(self, teacher_model, teacher_path)
-        self.teacher_model = self.teacher.model  # the prepared model in this process, or None (a served teacher)
+        # The prepared model in this process, or None (a served teacher, several teachers)
+        self.teacher_model = self.teacher.model
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
             # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)
@@ -161,6 +179,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             and self.args.reference_column not in self._signature_columns
         ):
             self._signature_columns = [*self._signature_columns, self.args.reference_column]
+        if "teacher_id" not in self._signature_columns:  # each row's teacher, with several
+            self._signature_columns = [*self._signature_columns, "teacher_id"]
 
     # ----- checkpoints: the source/cut-point generator travels with the trainer's RNG states -----------------------
     def _save_rng_state(self, output_dir: str) -> None:
@@ -204,6 +224,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         draws = torch.multinomial(self._source_probs, len(inputs), replacement=True, generator=self._source_generator)
         self._row_sources = [MIX_SOURCES[i] for i in draws.tolist()]
         self._row_references = [row.get(self.args.reference_column) for row in inputs]
+        self._row_teachers = self.teacher.route([row.get("teacher_id") for row in inputs])
         self._scoring_rollouts = True
         try:
             output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
@@ -213,6 +234,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             self._pending_teacher_scores = None
         device = output["completion_ids"].device
         output["row_source"] = torch.tensor([source_code(s) for s in self._row_sources], device=device)
+        output["teacher"] = self._row_teachers  # a list: GRPO shuffles and splits it with the rows
         if self.args.signal == "continuation":
             return self._continue_with_teacher(output)
         # One `TeacherRow` per row (read in the loss), or None: an in-process teacher's divergence is computed there
@@ -226,7 +248,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         swap = [i for i, s in enumerate(self._row_sources) if s != "learner"]
         teacher_rows = [i for i in swap if self._row_sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
-        rollouts = self.teacher.generate([prompt_ids[i] for i in teacher_rows], self.max_completion_length)
+        rollouts = self.teacher.generate(
+            [prompt_ids[i] for i in teacher_rows],
+            self.max_completion_length,
+            teachers=[self._row_teachers[i] for i in teacher_rows],
+        )
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:
@@ -240,7 +266,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             # student's old log-probs) and the first micro-batch's forward runs. Rows GRPO masks later (truncated
             # completions) are zeroed when the answer is read.
             distribution = self.args.signal == "divergence"
-            self._pending_teacher_scores = self.teacher.score(prompt_ids, completion_ids, distribution)
+            self._pending_teacher_scores = self.teacher.score(
+                prompt_ids, completion_ids, distribution, teachers=self._row_teachers
+            )
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
     def _reference_ids(self, reference) -> list[int]:
@@ -269,7 +297,10 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         continuations = [[] for _ in cuts]
         # Asked on every rank, even one whose rows are all masked (an in-process teacher's generation is collective)
         written = self.teacher.generate(
-            [prompts[i] for i in kept], self.args.continuation_length, prefixes=[prefixes[i] for i in kept]
+            [prompts[i] for i in kept],
+            self.args.continuation_length,
+            prefixes=[prefixes[i] for i in kept],
+            teachers=[output["teacher"][i] for i in kept],
         )
         for i, continuation in zip(kept, written):
             continuations[i] = continuation
@@ -295,7 +326,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             "ref_per_token_logps",
         ):
             output.pop(stale, None)  # computed for the rollouts before the cut; the loss here does not use them
-        output["teacher_logps"] = self.teacher.score(prompts, sequences)
+        output["teacher_logps"] = self.teacher.score(prompts, sequences, teachers=output["teacher"])
         return output
 
     def _resolve_teacher_logps(self, inputs: dict) -> torch.Tensor:
@@ -428,7 +459,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._log_teacher_metrics(logps.detach(), teacher_logps, entropies, completion_mask, loss_mask, token_source)
+        self._log_teacher_metrics(
+            logps.detach(), teacher_logps, entropies, completion_mask, loss_mask, token_source, inputs["teacher"]
+        )
         if self.model.training:
             align = lambda x: F.pad(x, (prompt_ids.size(1), 0))  # noqa: E731 (completion -> full sequence)
             self._record_states(
@@ -444,6 +477,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 teacher_logps=None if self.args.signal == "continuation" else align(teacher_logps),
                 weights=weights if isinstance(weights, float) else align(weights),
                 rewards=inputs.get("rewards"),
+                teachers=inputs["teacher"] if self.teacher.names else None,
             )
         return loss
 
@@ -475,22 +509,38 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
         return loss, logps, entropies, teacher_logps, aux_loss
 
-    def _log_teacher_metrics(self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source):
-        """`teacher_kl` (mean sampled reverse KL) and `teacher_nll` over the tokens the student sampled itself."""
+    def _log_teacher_metrics(
+        self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source, teachers
+    ):
+        """`teacher_kl` (mean sampled reverse KL) and `teacher_nll` over the tokens the student sampled itself; with
+        several teachers, `statelens/teacher_kl/<name>` and `statelens/supervised_tokens/<name>` per teacher too (each
+        row's `teachers` entry)."""
         mode = "train" if self.model.training else "eval"
         sampled = completion_mask.bool() & (token_source == LEARNER)
         if self.args.signal == "continuation":
             sampled &= ~loss_mask.bool()  # the student's own prefix; the rest was written by the teacher
+        kl = (logps - teacher_logps) * sampled
+        per_teacher = []
+        for name in self.teacher.names:
+            rows = torch.tensor([t == name for t in teachers], device=kl.device)[:, None]
+            per_teacher += [(kl * rows).sum(), (sampled & rows).sum().float(), (loss_mask * rows).sum()]
         sums = torch.stack(
             [
-                ((logps - teacher_logps) * sampled).sum(),
+                kl.sum(),
                 (-teacher_logps * sampled).sum(),
                 sampled.sum().float(),
                 (entropies * loss_mask).sum(),
                 loss_mask.sum(),
+                *per_teacher,
             ]
         )
-        kl_sum, nll_sum, count, entropy_sum, supervised = self.accelerator.gather(sums[None]).sum(0).tolist()
+        totals = self.accelerator.gather(sums[None]).sum(0).tolist()
+        kl_sum, nll_sum, count, entropy_sum, supervised = totals[:5]
+        for i, name in enumerate(self.teacher.names):
+            teacher_kl_sum, teacher_count, teacher_supervised = totals[5 + 3 * i : 8 + 3 * i]
+            if teacher_count > 0:
+                self._metrics[mode][f"statelens/teacher_kl/{name}"].append(teacher_kl_sum / teacher_count)
+            self._metrics[mode][f"statelens/supervised_tokens/{name}"].append(teacher_supervised)
         if count > 0:
             self._metrics[mode]["teacher_kl"].append(kl_sum / count)
             self._metrics[mode]["teacher_nll"].append(nll_sum / count)
@@ -524,6 +574,27 @@ def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
         raise ValueError(
             f"state_source_mix uses 'dataset' states, which need reference answers in column "
             f"{args.reference_column!r}, absent from the dataset (columns: {columns}); set reference_column"
+        )
+
+
+def _check_teacher_ids(dataset, teacher_model) -> None:
+    """Every `teacher_id` in the dataset must name one of the teachers (a single teacher takes none)."""
+    columns = getattr(dataset, "column_names", None) or []
+    if "teacher_id" not in columns or not hasattr(dataset, "unique"):  # an IterableDataset is checked row by row
+        return
+    given = {teacher_id for teacher_id in dataset.unique("teacher_id") if teacher_id is not None}
+    if not isinstance(teacher_model, dict):
+        if given:
+            raise ValueError(
+                f"the dataset's teacher_id column names teachers {sorted(given)}, but teacher_model is a single "
+                "teacher: pass a dict name -> teacher with those names, or drop the column"
+            )
+        return
+    unknown = sorted(given - set(teacher_model))
+    if unknown:
+        raise ValueError(
+            f"the dataset's teacher_id column names teachers that are not given: {unknown}; the teachers are "
+            f"{list(teacher_model)} (rows without a teacher_id go to the first, {next(iter(teacher_model), None)!r})"
         )
 
 

@@ -175,6 +175,7 @@ class _MicroBatchStates:
     sequence_last: torch.Tensor  # (S,) last supervised position
     sequence_ids: torch.Tensor  # (S,) sequence index of each
     rewards: torch.Tensor | None  # (B,) reward of each row, when the trainer has one
+    teachers: list[str] | None = None  # (B,) the teacher of each row, when the trainer has several
 
 
 class StateRecorderMixin:
@@ -208,6 +209,7 @@ class StateRecorderMixin:
         teacher_logps: torch.Tensor | None = None,
         weights: float | torch.Tensor | None = None,
         rewards: torch.Tensor | None = None,
+        teachers: list[str] | None = None,
     ) -> None:
         """Record the supervised states of one micro-batch.
 
@@ -230,6 +232,8 @@ class StateRecorderMixin:
             weights (`float` or `torch.Tensor` of shape `(B,)` or `(B, L)`, *optional*): per-token weight or
                 advantage the loss applies; defaults to 1.
             rewards (`torch.Tensor` of shape `(B,)`, *optional*): reward of each row, written to the ledger.
+            teachers (`list[str]` of length `B`, *optional*): the teacher of each row (several teachers), written to
+                the ledger.
         """
         if self._state_buffer is None:
             return
@@ -306,6 +310,7 @@ class StateRecorderMixin:
                 sequence_last=last[recorded],
                 sequence_ids=torch.arange(num_sequences, device=device)[recorded] + offset,
                 rewards=None if rewards is None else rewards.detach().float(),
+                teachers=teachers,
             )
         )
         self._state_sequences_in_step += num_sequences
@@ -362,6 +367,7 @@ class StateRecorderMixin:
                     "prompt": tokenizer.decode(prompt_ids),
                     "completion": tokenizer.decode(completion_ids),
                     "reward": None if part.rewards is None else _finite_or_none(part.rewards[row].item()),
+                    **({} if part.teachers is None else {"teacher": part.teachers[row]}),
                     "num_supervised": int(tokens.sum()),
                     "tokens": tokenizer.batch_decode(supervised_ids[:, None]),
                     "prefix_len": records.prefix_len[tokens].tolist(),

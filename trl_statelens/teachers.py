@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -106,30 +106,46 @@ class Teacher:
     the training processes (prepared for their device/DeepSpeed setup), `None` when it runs elsewhere."""
 
     model: PreTrainedModel | None = None
+    names: tuple[str, ...] = ()  # the teachers a [`TeacherRouter`] sends rows to; none for a single teacher
+
+    def route(self, teacher_ids: list[str | None]) -> list[str | None]:
+        """The name of the teacher each row goes to, from the rows' `teacher_id` values (`None` for a single
+        teacher, which answers every row)."""
+        return [None] * len(teacher_ids)
 
     def session(self):
         """A context manager around training (the background requests of a served teacher)."""
         return nullcontext()
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, prefixes: list[list[int]] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        prefixes: list[list[int]] | None = None,
+        teachers: list[str | None] | None = None,
     ) -> list[list[int]]:
         """Up to `max_new_tokens` teacher tokens after each prompt (followed by its prefix, if given), sampled with
-        the student's settings but not its length floor; each ends at (and includes) its first eos."""
+        the student's settings but not its length floor; each ends at (and includes) its first eos. `teachers`: each
+        row's teacher, from `route` (a single teacher ignores it)."""
         raise NotImplementedError
 
     def score(
-        self, prompts: list[list[int]], completions: list[list[int]], distribution: bool = False
-    ) -> list[TeacherRow] | None:
+        self,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        distribution: bool = False,
+        teachers: list[str | None] | None = None,
+    ) -> list[TeacherRow | None] | None:
         """Start scoring each completion after its prompt; with `distribution`, the next-token distribution at each
-        completion position too, or `None` when this teacher computes it within the loss instead."""
+        completion position too, or `None` when this teacher computes it within the loss instead (`None` rows, from
+        a router, where only some rows' teachers do)."""
         raise NotImplementedError
 
     def divergence_loss(
         self, student, student_hidden, batch: dict, loss_mask, normalizer, beta: float, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `divergence` loss of a micro-batch (`batch`: its prompt and completion tensors, and its `teacher_logps`
-        rows from `score(..., distribution=True)`) given the student's (unwrapped `student`) final hidden states
+        rows from `score(..., distribution=True)`, and with a router each row's `teacher`) given the student's (unwrapped `student`) final hidden states
         `(B, T, H)` at its completion positions, summed over positions with `loss_mask != 0` and divided by
         `normalizer`; and the teacher's log-prob of each completion token `(B, T)`, for the metrics."""
         raise NotImplementedError
@@ -173,7 +189,7 @@ class InProcessTeacher(Teacher):
         return accelerator.gather(torch.tensor([len(rows)], device=accelerator.device)).sum().item() > 0
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, prefixes=None):
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
         # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): while any rank has rows,
         # every rank generates, a rank without any on a stand-in row whose continuation it drops.
         sequences = _join(prompts, prefixes)
@@ -204,14 +220,19 @@ class InProcessTeacher(Teacher):
         return _first_eos(out[:, input_ids.size(1) :].tolist(), trainer.eos_token_ids)[: len(sequences)]
 
     @torch.no_grad()
-    def score(self, prompts, completions, distribution=False):
+    def score(self, prompts, completions, distribution=False, teachers=None):
         """Log-probs through the trainer's fused LM head, in chunks of the per-device batch size (as GRPO scores its
         reference model), on the rows padded as GRPO pads a batch; the full distribution is not fetched ahead:
-        `divergence_loss` projects it within the loss's forward."""
+        `divergence_loss` projects it within the loss's forward. A rank without rows (a router sent them all to
+        other teachers) scores a stand-in row while any rank has some: the forward is collective under ZeRO-3."""
         if distribution:
             return None
+        if not self._any_rank_has(prompts):
+            return []
         trainer = self.trainer
         pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
+        num_rows = len(prompts)
+        prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
         device = trainer.accelerator.device
         prompt_rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
         prompt_ids = pad(prompt_rows, padding_value=pad_id, padding_side="left", pad_to_multiple_of=multiple)
@@ -228,11 +249,19 @@ class InProcessTeacher(Teacher):
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
             self.model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
         )
-        return _rows_answered([RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)])
+        return _rows_answered([RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows])
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
-        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens."""
+        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens. A rank without rows joins
+        the collectives on a stand-in row that supervises nothing while any rank has some."""
+        num_rows = batch["completion_ids"].size(0)
+        if not self._any_rank_has(range(num_rows)):
+            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        if num_rows == 0:
+            batch, student_hidden, loss_mask = _stand_in_row(
+                batch, student_hidden, self.trainer._tokenizer.pad_token_id
+            )
         trainer = self.trainer
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
@@ -264,7 +293,17 @@ class InProcessTeacher(Teacher):
         )
         with torch.no_grad():
             teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
-        return loss, teacher_logps
+        return loss, teacher_logps[:num_rows]
+
+
+def _stand_in_row(batch: dict, student_hidden, pad_id: int):
+    """One pad-token prompt and completion with a zero loss mask, for a rank with no rows of its own to join a
+    teacher's collectives with (its student hidden state is zeros, outside the student's graph)."""
+    device = batch["completion_ids"].device
+    ids, ones = torch.full((1, 1), pad_id, dtype=torch.long, device=device), torch.ones((1, 1), device=device)
+    stand_in = {"prompt_ids": ids, "prompt_mask": ones.long(), "completion_ids": ids, "completion_mask": ones.long()}
+    hidden = student_hidden.new_zeros((1, 1, student_hidden.size(-1)))
+    return stand_in, hidden, torch.zeros((1, 1), device=device)
 
 
 def _rows_answered(scores: list[RowScores]) -> list[TeacherRow]:
@@ -292,8 +331,8 @@ class RemoteTeacher(Teacher):
         self._requests = None
 
     @classmethod
-    def connect(cls, trainer, path: str | None = None) -> RemoteTeacher:
-        """The teacher at `trainer.args.teacher_model_server_url`, checked now: reachable, serving a model with the
+    def connect(cls, trainer, path: str | None = None, url: str | None = None) -> RemoteTeacher:
+        """The teacher at `url` (default: `trainer.args.teacher_model_server_url`), checked now: reachable, serving a model with the
         student's vocabulary (and, when `path` names the teacher, the student's tokenizer), and, with `divergence`,
         answering `teacher_top_k` log-probs per position."""
         from .served_teacher import ServedTeacher
@@ -308,7 +347,7 @@ class RemoteTeacher(Teacher):
                 f"{student_vocab} (that many is the exact divergence)"
             )
         server = ServedTeacher(
-            args.teacher_model_server_url,
+            url or args.teacher_model_server_url,
             trainer._tokenizer,
             student_vocab,
             teacher_tokenizer=teacher_tokenizer,
@@ -340,7 +379,7 @@ class RemoteTeacher(Teacher):
             self._requests.shutdown()
             self._requests = None
 
-    def generate(self, prompts, max_new_tokens, prefixes=None):
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
         sequences = _join(prompts, prefixes)
         if not sequences:
             return []
@@ -348,11 +387,13 @@ class RemoteTeacher(Teacher):
         seeds = torch.randint(2**31 - 1, (len(sequences),), generator=self.seed_generator).tolist()
         return self.server.generate(sequences, max_new_tokens, self.eos_token_ids, **self.sampling, seeds=seeds)
 
-    def score(self, prompts, completions, distribution=False):
+    def score(self, prompts, completions, distribution=False, teachers=None):
         """One request for the batch (each row without its padding), from the background worker during an
         overlapped `session()` (its errors are raised where the answer is read), else at once. With `distribution`,
         the teacher's `top_k` log-probs per position (vLLM's `prompt_logprobs=top_k`)."""
         sequences, lengths = [p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts]
+        if not sequences:
+            return []
         top_k = self.top_k if distribution else 0
         if self._requests is not None:
             batch = self._requests.submit(self._scores, sequences, lengths, top_k)
@@ -374,11 +415,117 @@ class RemoteTeacher(Teacher):
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
+        if not batch["teacher_logps"]:  # a router sent this rank's rows to other teachers
+            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         scores = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"])
         loss = topk_tail_divergence(
             student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
         )
         return loss, scores.logps
+
+
+class TeacherRouter(Teacher):
+    """Several teachers, each row answered by the one its `teacher_id` names (rows without one, or with `None`, by
+    `default`): every method splits the rows by teacher, asks each teacher for its own, and puts the answers back in
+    row order. Every teacher is asked on every rank, with or without rows of its own there (an in-process teacher's
+    calls are collective under ZeRO-3, and it joins them on a stand-in row when it has none).
+
+    Args:
+        teachers (`dict[str, Teacher]`): the teachers by name, in-process and served mixed.
+        default (`str`): the teacher of rows without a `teacher_id`.
+    """
+
+    def __init__(self, teachers: dict[str, Teacher], default: str):
+        self.teachers, self.default, self.names = teachers, default, tuple(teachers)
+
+    @classmethod
+    def connect(cls, trainer, loaded: dict[str, tuple]) -> TeacherRouter:
+        """The teachers from [`load_teachers`], each prepared (in-process) or reached and checked (served) as a single
+        teacher is; the first is the default. A check that fails names its teacher."""
+        teachers = {}
+        for name, (model, path, url) in loaded.items():
+            try:
+                if url is not None:
+                    teachers[name] = RemoteTeacher.connect(trainer, path, url)
+                else:
+                    teachers[name] = InProcessTeacher(trainer, model, path)
+            except ValueError as error:
+                raise ValueError(f"teacher {name!r}: {error}") from error
+        return cls(teachers, default=next(iter(teachers)))
+
+    def route(self, teacher_ids):
+        names = [self.default if teacher_id is None else teacher_id for teacher_id in teacher_ids]
+        unknown = sorted(set(names) - set(self.names))
+        if unknown:
+            raise ValueError(f"teacher_id {unknown} names no teacher; the teachers are {list(self.names)}")
+        return names
+
+    @contextmanager
+    def session(self):
+        with ExitStack() as stack:
+            for teacher in self.teachers.values():
+                stack.enter_context(teacher.session())
+            yield
+
+    def _rows_by_teacher(self, teachers: list[str] | None, num_rows: int) -> dict[str, list[int]]:
+        teachers = teachers if teachers is not None else [self.default] * num_rows
+        return {name: [i for i, t in enumerate(teachers) if t == name] for name in self.names}
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        written = [None] * len(prompts)
+        for name, rows in self._rows_by_teacher(teachers, len(prompts)).items():
+            row_prefixes = None if prefixes is None else [prefixes[i] for i in rows]
+            answers = self.teachers[name].generate([prompts[i] for i in rows], max_new_tokens, row_prefixes)
+            for i, answer in zip(rows, answers, strict=True):
+                written[i] = answer
+        return written
+
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        scored = [None] * len(prompts)
+        for name, rows in self._rows_by_teacher(teachers, len(prompts)).items():
+            answers = self.teachers[name].score(
+                [prompts[i] for i in rows], [completions[i] for i in rows], distribution
+            )
+            for i, answer in zip(rows, answers or [None] * len(rows), strict=True):
+                scored[i] = answer
+        return None if all(row is None for row in scored) else scored
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """The sum of each teacher's loss on its rows (each already divided by the whole `normalizer`)."""
+        total = student_hidden.sum() * 0.0
+        teacher_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        for name, rows in self._rows_by_teacher(batch["teacher"], len(batch["teacher"])).items():
+            index = torch.tensor(rows, dtype=torch.long, device=student_hidden.device)
+            part = {
+                key: batch[key][index] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+            }
+            scores = batch["teacher_logps"]
+            part["teacher_logps"] = [scores[i] for i in rows] if scores is not None else None
+            loss, logps = self.teachers[name].divergence_loss(
+                student, student_hidden[index], part, loss_mask[index], normalizer, beta, temperature
+            )
+            total = total + loss
+            teacher_logps[index] = logps.to(teacher_logps.dtype)
+        return total, teacher_logps
+
+
+def load_teachers(teacher_models: dict, args) -> dict[str, tuple]:
+    """`(model, path, url)` for each named teacher of [`OnPolicyDistillTrainer`]'s `teacher_model` dict: a string
+    starting with `http://` or `https://` is a vLLM server's URL (nothing loaded), another string a path, hub id or
+    LoRA folder loaded with [`load_teacher`], anything else a model instance."""
+    if not teacher_models:
+        raise ValueError(
+            "teacher_model is an empty dict: give at least one teacher, name -> model, path or server URL"
+        )
+    loaded = {}
+    for name, teacher in teacher_models.items():
+        if isinstance(teacher, str) and teacher.startswith(("http://", "https://")):
+            loaded[name] = (None, None, teacher)
+        elif isinstance(teacher, str):
+            loaded[name] = (load_teacher(teacher, args), teacher, None)
+        else:
+            loaded[name] = (teacher, None, None)
+    return loaded
 
 
 def load_teacher(name_or_path: str, args) -> PreTrainedModel:

@@ -1,0 +1,152 @@
+"""Several teachers: each row goes to the teacher its `teacher_id` names (`TeacherRouter`)."""
+
+import json
+
+import pytest
+import torch
+from cpu_settings import CPU
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens.teachers import resolve_rows
+
+
+def opd_config(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-3,
+    )
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+
+
+def routed(dataset, ids=("math", "other", None)):
+    """The dataset with a `teacher_id` column cycling through `ids` (None: the default, the first teacher)."""
+    return dataset.add_column("teacher_id", [ids[i % len(ids)] for i in range(len(dataset))])
+
+
+@pytest.fixture
+def two_teachers(math_teacher_path, teacher_path):
+    return {"math": str(math_teacher_path), "other": str(teacher_path)}
+
+
+def test_routed_rows_get_their_own_teachers_logps(tmp_path, math_trained_path, math_dataset, two_teachers):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=two_teachers,
+        args=opd_config(tmp_path),
+        train_dataset=routed(math_dataset),
+    )
+    rows = [dict(row) for row in routed(math_dataset).select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    assert batch["teacher"] == ["math", "math", "other", "other", "math", "math", "math", "math"]
+    logps = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"]).logps
+    prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    completions = [c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], batch["completion_mask"])]
+    # Each single teacher scoring every row: the routed batch holds, row by row, the named teacher's answer
+    single = {
+        name: resolve_rows(teacher.score(prompts, completions), batch["completion_ids"], batch["completion_mask"])
+        for name, teacher in trainer.teacher.teachers.items()
+    }
+    for i, name in enumerate(batch["teacher"]):
+        torch.testing.assert_close(logps[i], single[name].logps[i], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(single["math"].logps, single["other"].logps)  # the routing matters
+
+
+def test_routed_divergence_equals_each_teachers_loss_on_its_rows(
+    tmp_path, math_trained_path, math_dataset, two_teachers
+):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=two_teachers,
+        args=opd_config(tmp_path, signal="divergence"),
+        train_dataset=routed(math_dataset),
+    )
+    rows = [dict(row) for row in routed(math_dataset).select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    from trl_statelens.heads import _completion_hidden_states
+
+    hidden = _completion_hidden_states(student, input_ids, attention_mask, batch["completion_ids"].size(1))
+    mask, normalizer = batch["completion_mask"].float(), torch.tensor(10.0)
+    loss, teacher_logps = trainer.teacher.divergence_loss(student, hidden, batch, mask, normalizer, 1.0, 1.0)
+    expected = 0.0
+    for name, teacher in trainer.teacher.teachers.items():
+        index = torch.tensor([i for i, t in enumerate(batch["teacher"]) if t == name])
+        part = {k: batch[k][index] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        part_loss, part_logps = teacher.divergence_loss(
+            student, hidden[index], part, mask[index], normalizer, 1.0, 1.0
+        )
+        expected = expected + part_loss
+        torch.testing.assert_close(teacher_logps[index], part_logps.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("signal", ["reverse_kl", "continuation", "divergence"])
+def test_every_signal_trains_with_two_teachers(tmp_path, math_trained_path, math_dataset, two_teachers, signal):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=two_teachers,
+        args=opd_config(
+            tmp_path, signal=signal, continuation_length=4, state_source_mix={"learner": 0.5, "teacher": 0.5}
+        ),
+        train_dataset=routed(math_dataset),
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    for name in two_teachers:
+        assert logged[f"statelens/supervised_tokens/{name}"] > 0
+        if signal != "continuation":
+            assert f"statelens/teacher_kl/{name}" in logged
+    ledger = [json.loads(line) for line in open(tmp_path / "statelens" / "states.jsonl")]
+    assert {entry["teacher"] for entry in ledger} == set(two_teachers)
+
+
+def test_unknown_teacher_id_is_refused(tmp_path, math_trained_path, math_dataset, two_teachers):
+    with pytest.raises(ValueError, match=r"not given: \['physics'\].*\['math', 'other'\]"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=two_teachers,
+            args=opd_config(tmp_path),
+            train_dataset=routed(math_dataset, ids=("math", "physics")),
+        )
+
+
+def test_teacher_ids_with_a_single_teacher_are_refused(tmp_path, math_trained_path, math_teacher_path, math_dataset):
+    with pytest.raises(ValueError, match="single teacher"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(math_teacher_path),
+            args=opd_config(tmp_path),
+            train_dataset=routed(math_dataset),
+        )
+
+
+def test_empty_teacher_dict_is_refused(tmp_path, math_trained_path, math_dataset):
+    with pytest.raises(ValueError, match="empty dict"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path), teacher_model={}, args=opd_config(tmp_path), train_dataset=math_dataset
+        )
+
+
+def test_a_teacher_with_another_vocabulary_is_named(tmp_path, tokenizer, math_trained_path, math_dataset):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    small = Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=len(tokenizer) - 8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="teacher 'small':.*smaller than the student's"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model={"math": str(math_trained_path), "small": small},
+            args=opd_config(tmp_path),
+            train_dataset=math_dataset,
+        )
