@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from cpu_settings import CPU
+from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.teachers import resolve_rows
@@ -150,3 +151,43 @@ def test_a_teacher_with_another_vocabulary_is_named(tmp_path, tokenizer, math_tr
             args=opd_config(tmp_path),
             train_dataset=math_dataset,
         )
+
+
+@pytest.mark.parametrize("signal", ["reverse_kl", "divergence"])
+def test_a_served_and_an_in_process_teacher_train_together(
+    tmp_path, tokenizer, teacher_path, math_teacher_path, math_trained_path, math_dataset, signal
+):
+    with TestTeacherServer(teacher_path) as server:
+        trainer = OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model={"local": str(math_teacher_path), "served": server.url},
+            args=opd_config(tmp_path, signal=signal, teacher_top_k=len(tokenizer)),
+            train_dataset=routed(math_dataset, ids=("local", "served")),
+        )
+        trainer.train()
+    logged = trainer.state.log_history[0]
+    assert all(logged[f"statelens/supervised_tokens/{name}"] > 0 for name in ("local", "served"))
+    assert all(torch.isfinite(torch.tensor(logged[f"statelens/teacher_kl/{name}"])) for name in ("local", "served"))
+
+
+def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset
+):
+    """Under ZeRO-3 another rank may hold this teacher's rows: a rank with none still runs its forward."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model={"math": str(math_teacher_path)},
+        args=opd_config(tmp_path, signal="divergence"),
+        train_dataset=math_dataset,
+    )
+    teacher = trainer.teacher.teachers["math"]
+    teacher._any_rank_has = lambda rows: True  # as when another rank has rows
+    forwards = []
+    trainer.accelerator.unwrap_model(teacher.model).register_forward_hook(lambda *args: forwards.append(1))
+    assert teacher.score([], []) == []
+    empty = torch.zeros((0, 3), dtype=torch.long)
+    batch = {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": empty, "completion_mask": empty}
+    hidden = torch.zeros((0, 3, trainer.model.config.hidden_size), requires_grad=True)
+    loss, logps = teacher.divergence_loss(trainer.model, hidden, batch, empty.float(), torch.tensor(1.0), 1.0, 1.0)
+    assert loss.item() == 0.0 and logps.shape == (0, 3)
+    assert len(forwards) == 2

@@ -256,8 +256,9 @@ class InProcessTeacher(Teacher):
         ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens. A rank without rows joins
         the collectives on a stand-in row that supervises nothing while any rank has some."""
         num_rows = batch["completion_ids"].size(0)
+        no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         if not self._any_rank_has(range(num_rows)):
-            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            return student_hidden.sum() * 0.0, no_logps
         if num_rows == 0:
             batch, student_hidden, loss_mask = _stand_in_row(
                 batch, student_hidden, self.trainer._tokenizer.pad_token_id
@@ -293,7 +294,9 @@ class InProcessTeacher(Teacher):
         )
         with torch.no_grad():
             teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
-        return loss, teacher_logps[:num_rows]
+        if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
+            return loss + student_hidden.sum() * 0.0, no_logps
+        return loss, teacher_logps
 
 
 def _stand_in_row(batch: dict, student_hidden, pad_id: int):
