@@ -4,8 +4,10 @@ accelerate launch recipes/opd.py                                        # the la
 accelerate launch recipes/opd.py --config recipes/configs/study/opd_from_stress_sft.yaml
 accelerate launch recipes/opd.py --baseline stock                       # TRL's DistillationTrainer, same run
 accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000   # the teacher on a vLLM server
+accelerate launch recipes/opd.py --teacher_model_name_or_path math=lab-teacher,kb=http://HOST:8000  # two teachers
 """
 
+import json
 import sys
 from dataclasses import dataclass
 
@@ -30,14 +32,37 @@ class OPDScriptArguments(RecipeArguments):
     """teacher_model_name_or_path: the teacher: "lab-teacher" (the lab base model fine-tuned on lab math, built on
     first use), a saved model folder (for example an SFT recipe's output_dir) or a hub id. With
     `--teacher_model_server_url` the server runs the teacher: a folder or hub id given here is only read for its
-    tokenizer (checked against the student's), and the lab names are not built."""
+    tokenizer (checked against the student's), and the lab names are not built.
+
+    Several teachers: `name=teacher,name2=teacher2` or a JSON dict, each teacher a lab name, folder, hub id or vLLM
+    server URL (`http://` or `https://`); each row goes to the teacher its dataset `teacher_id` column names, rows
+    without one to the first."""
 
     teacher_model_name_or_path: str = "lab-teacher"
 
 
+def named_teachers(value: str, lab_seed: int) -> dict[str, str] | None:
+    """`name=teacher,...` or a JSON dict as name -> resolved path or server URL; `None` for a single teacher."""
+    if value.startswith("{"):
+        teachers = json.loads(value)
+    elif "=" in value:
+        teachers = dict(pair.split("=", 1) for pair in value.split(","))
+    else:
+        return None
+    return {
+        name.strip(): teacher if teacher.startswith(("http://", "https://")) else resolve_model(teacher, lab_seed)
+        for name, teacher in teachers.items()
+    }
+
+
 def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
-    if training_args.teacher_model_server_url is None:
+    teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
+    if teachers is not None:
+        if args.baseline == "stock":
+            raise ValueError("--baseline stock runs TRL's DistillationTrainer, which takes one teacher here")
+        teacher_path = args.teacher_model_name_or_path  # recorded in results.json
+    elif training_args.teacher_model_server_url is None:
         teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
     elif args.baseline == "stock":
         raise ValueError(
@@ -65,7 +90,7 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
     else:
         trainer = OnPolicyDistillTrainer(
             model=model_path,
-            teacher_model=teacher_path,
+            teacher_model=teachers if teachers is not None else teacher_path,
             args=training_args,
             train_dataset=dataset,
             peft_config=get_peft_config(model_args),

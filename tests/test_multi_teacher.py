@@ -1,6 +1,7 @@
 """Several teachers: each row goes to the teacher its `teacher_id` names (`TeacherRouter`)."""
 
 import json
+import runpy
 
 import pytest
 import torch
@@ -170,6 +171,16 @@ def test_a_served_and_an_in_process_teacher_train_together(
     assert all(torch.isfinite(torch.tensor(logged[f"statelens/teacher_kl/{name}"])) for name in ("local", "served"))
 
 
+def test_a_served_teacher_at_another_temperature_is_refused(tmp_path, math_trained_path, math_dataset):
+    with pytest.raises(ValueError, match="teacher 'kb' is served at http://host:1: temperature=0.7"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model={"kb": "http://host:1"},
+            args=opd_config(tmp_path, temperature=0.7),
+            train_dataset=math_dataset,
+        )
+
+
 def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
     tmp_path, math_trained_path, math_teacher_path, math_dataset
 ):
@@ -191,3 +202,14 @@ def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
     loss, logps = teacher.divergence_loss(trainer.model, hidden, batch, empty.float(), torch.tensor(1.0), 1.0, 1.0)
     assert loss.item() == 0.0 and logps.shape == (0, 3)
     assert len(forwards) == 2
+
+
+def test_the_recipe_reads_named_teachers(tmp_path):
+    from pathlib import Path
+
+    named_teachers = runpy.run_path(str(Path(__file__).parents[1] / "recipes" / "opd.py"))["named_teachers"]
+    folder = str(tmp_path)
+    expected = {"math": folder, "kb": "http://host:8000"}
+    assert named_teachers(f"math={folder},kb=http://host:8000", 0) == expected
+    assert named_teachers(json.dumps(expected), 0) == expected
+    assert named_teachers(folder, 0) is None  # a single teacher

@@ -101,7 +101,9 @@ class OnPolicyDistillConfig(GRPOConfig):
             log-probs of the actual tokens), for the teacher's tokens (`continuation`, the `teacher` state source)
             sampled with this config's `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`, and
             (`divergence`) for its `teacher_top_k` most likely tokens at each completion position. Needs
-            `temperature=1.0` (vLLM scores prompts with unscaled logits).
+            `temperature=1.0` (vLLM scores prompts with unscaled logits). With several teachers (a `teacher_model`
+            dict) leave it unset and give each served teacher's URL as its value; the `teacher_server_*` settings
+            and `teacher_top_k` below apply to each of them.
         teacher_top_k (`int`, *optional*, defaults to `32`):
             Teacher tokens per position that `signal="divergence"` uses with a served teacher (TRL's name, as in its
             `AsyncDistillationConfig`): the server returns the teacher's top-k log-probs (vLLM's

@@ -523,6 +523,10 @@ def load_teachers(teacher_models: dict, args) -> dict[str, tuple]:
     loaded = {}
     for name, teacher in teacher_models.items():
         if isinstance(teacher, str) and teacher.startswith(("http://", "https://")):
+            try:  # the settings a served teacher needs, checked in the config only for teacher_model_server_url
+                args._check_teacher_server_settings()
+            except ValueError as error:
+                raise ValueError(f"teacher {name!r} is served at {teacher}: {error}") from error
             loaded[name] = (None, None, teacher)
         elif isinstance(teacher, str):
             loaded[name] = (load_teacher(teacher, args), teacher, None)
