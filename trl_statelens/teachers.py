@@ -19,9 +19,9 @@ Its vocabulary and tokenizer are checked against the student's when it is made. 
 
 Every rank calls every method with its own rows, none included: an in-process teacher under ZeRO-3 gathers its
 parameters collectively, so each rank must join while any rank has rows (a served teacher is asked for a rank's own
-rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a router can
-later send each row to the teacher of its `teacher_id`, and a teacher that is the student itself behind a privileged
-prompt can replace the prompts.
+rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a
+[`TeacherRouter`] sends each row to the teacher of its `teacher_id` (several teachers, in-process and served mixed),
+and a teacher that is the student itself behind a privileged prompt can replace the prompts.
 """
 
 from __future__ import annotations
