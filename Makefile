@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo demo-long demo-real bench lab study-lab study-lab-quick clean
+.PHONY: install test lint demo demo-long demo-real bench lab study-lab study-lab-quick forgetting-study clean
 
 install: $(STAMP)
 
@@ -87,6 +87,11 @@ study-lab: $(STAMP)
 # The same runs for seed 0 only: every comparison with its interval over test problems, no spread over seeds.
 study-lab-quick: $(STAMP)
 	$(BIN)/python recipes/study_lab.py --seeds 0 --out runs/study-lab-quick
+
+# Issue 29: which training-time statistic forecasts forgetting, over 31 short lab runs, 2 at once (STUDY.md,
+# "Forecasting forgetting from states"); skips runs whose results.json exists. `--dry_run` prints the grid and its cost.
+forgetting-study: $(STAMP)
+	$(BIN)/python recipes/forgetting_study.py --jobs 2 --out runs/forgetting-study
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
