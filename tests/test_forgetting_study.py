@@ -44,7 +44,7 @@ def test_smoke_chain_writes_every_statistic_at_every_time_point(tmp_path, studen
     assert opd["teacher"] == str(out / "sft_stress")
     # a second invocation skips every finished run
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "sft_mild:" not in again.stdout
+    assert again.returncode == 0 and "sft_stress:" not in again.stdout
 
 
 def test_spearman_and_r2_against_known_answers():
