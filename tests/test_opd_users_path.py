@@ -73,7 +73,9 @@ def test_continuation_supervises_nothing_on_a_masked_truncated_rollout(
     calls = []
     generate = trainer.teacher.generate
 
-    def spy(prompts, n, prefixes=None, **kwargs):  # the calls that ask the teacher for rows (the teacher source asks for none)
+    def spy(
+        prompts, n, prefixes=None, **kwargs
+    ):  # the calls that ask the teacher for rows (the teacher source asks for none)
         if prompts:
             calls.append(len(prompts))
         return generate(prompts, n, prefixes, **kwargs)
