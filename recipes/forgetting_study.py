@@ -590,7 +590,7 @@ def plot_param_distance(rows: list[dict], path: Path, label: str = "100%") -> No
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_xlabel(f"param_distance at {label} of training (L2 norm of theta_t - theta_0)")
     ax.set_ylabel("Forgetting (mean base - post, retention tasks)")
-    ax.set_title("Forgetting against the distance moved in weights, one point per run")
+    ax.set_title("Forgetting against the weights' distance moved, per run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

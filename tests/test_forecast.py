@@ -61,7 +61,10 @@ def test_param_distance_after_one_step_equals_a_direct_computation(tmp_path, stu
     initial = dict(AutoModelForCausalLM.from_pretrained(student_path).named_parameters())
     trained = trainer.accelerator.unwrap_model(trainer.model)
     expected = math.sqrt(
-        sum(float((p.double() - initial[n].double()).pow(2).sum()) for n, p in trained.named_parameters())
+        sum(
+            float((p.detach().double() - initial[n].detach().double()).pow(2).sum())
+            for n, p in trained.named_parameters()
+        )
     )
     assert expected > 1e-3  # the step moved the weights
     assert callback.last["param_distance"] == pytest.approx(expected, rel=1e-6)
@@ -79,9 +82,9 @@ def test_zero_distance_at_lr_0_measured_at_the_time_points_and_every_steps(
 ):
     callback = ForgettingForecast(every_steps=4)  # no min_retention: never a warning
     with caplog.at_level(logging.INFO, logger="trl_statelens.forecast"):
-        _, logs = sft_run(tmp_path, student_path, tokenizer, math_dataset, callback, stock=True, max_steps=10,
+        trainer, _ = sft_run(tmp_path, student_path, tokenizer, math_dataset, callback, stock=True, max_steps=10,
                           per_device_train_batch_size=2, learning_rate=0.0)  # fmt: skip
-    measured = {entry["step"]: entry for entry in logs if KEYS[0] in entry}
+    measured = {entry["step"]: entry for entry in trainer.state.log_history if KEYS[0] in entry}
     # 10%, 25%, 100% of 10 steps: 1, round(2.5) = 2, 10; and every 4 steps
     assert sorted(measured) == sorted({*time_point_steps(10, fs.FRACTIONS).values(), 4, 8}) == [1, 2, 4, 8, 10]
     assert all(entry[KEYS[0]] == 0.0 for entry in measured.values())
