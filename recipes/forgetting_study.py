@@ -4,6 +4,7 @@ candidate statistics of each at 10%, 25% and 100% of its steps, and how well eac
     make forgetting-study        # = python recipes/forgetting_study.py --jobs 2 --out runs/forgetting-study
     python recipes/forgetting_study.py --dry_run                  # the grid and its estimated time, nothing run
     python recipes/forgetting_study.py --smoke --model_name_or_path MODEL --out /tmp/fs   # the CI test
+    python recipes/forgetting_study.py --analyse_only --out runs/forgetting-study --to docs/study/forgetting
 
 The plan (grid, statistics, analysis, decision rule) is pre-registered in STUDY.md, "Forecasting forgetting from
 states (issue 29)". Every run is a recipe (sft.py, grpo.py, opd.py) with its lab config and the grid's flags; a run
@@ -13,7 +14,10 @@ saves its model (weights only) every `probe_steps` steps so the parameter distan
 10% and 25%; those checkpoints are deleted once the run's statistics are written (`<run>/forecast_stats.json`).
 
 Outputs: `<out>/forecast.json` (every run's statistics and Forgetting, and the table), `<out>/forecast.md`
-(the table, the fitted law) and `<out>/forgetting_vs_base_kl.png`.
+(the table, the fitted law), `<out>/forgetting_vs_base_kl.png`, `<out>/forgetting_vs_param_distance.png` and
+`<out>/calibration.json` (the lines Forgetting ~ a + b param_distance and Retention ~ a + b param_distance at each
+time point with bootstrap samples: `trl_statelens/forgetting_calibration.json`, ForgettingForecast's default, is this
+file from the study's 31 runs). Re-analyse finished runs without running anything: `--analyse_only`.
 """
 
 import argparse
@@ -38,6 +42,8 @@ STATISTICS = ["base_kl", "base_kl_topk", "mmd", "offpolicy_gap", "state_nll_chan
 METHODS = ("sft", "grpo", "opd")
 BOOTSTRAP_SAMPLES = 2000
 MIN_RUNS = 5  # fewer runs with a statistic than this: no correlation is reported for that cell
+CALIBRATION_SAMPLES = 200  # bootstrap (a, b) pairs per line in calibration.json (ForgettingForecast's interval)
+CALIBRATION_STATISTIC = "param_distance"  # the statistic the pre-registered rule shipped the callback on
 
 # ----- the grid ----------------------------------------------------------------------------------------------------
 # Every run: (name, recipe, lab config, steps, seed, flags). {name} in a flag is that run's folder (a teacher built
@@ -177,10 +183,24 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a few runs of two tiny steps (the CI test)")
     parser.add_argument("--dry_run", action="store_true", help="print the grid and its estimated time; run nothing")
     parser.add_argument("--runs", nargs="+", choices=[name for name, *_ in GRID], help="only these runs")
+    parser.add_argument(
+        "--analyse_only",
+        action="store_true",
+        help="read --out's forecast.json (its finished runs), write the calibration and plots to --to",
+    )
+    parser.add_argument("--to", help="with --analyse_only: the folder to write into (default: --out)")
     args = parser.parse_args()
     grid = [row for row in GRID if (not args.smoke or row[0] in SMOKE_RUNS) and (not args.runs or row[0] in args.runs)]
     if args.dry_run:
         print(grid_table(grid, args.jobs))
+        return
+    if args.analyse_only:  # reads --out, writes only into --to
+        rows = json.loads((Path(args.out) / "forecast.json").read_text())["runs"]
+        to = Path(args.to or args.out)
+        to.mkdir(parents=True, exist_ok=True)
+        calibration(rows, to / "calibration.json")
+        plot_forgetting(rows, to / "forgetting_vs_base_kl.png")
+        plot_param_distance(rows, to / "forgetting_vs_param_distance.png")
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +222,8 @@ def main():
     minutes = (time.perf_counter() - started) / 60
     (out / "forecast.json").write_text(json.dumps({"minutes": minutes, "runs": rows, **analysis}, indent=2))
     plot_forgetting(rows, out / "forgetting_vs_base_kl.png")
+    plot_param_distance(rows, out / "forgetting_vs_param_distance.png")
+    calibration(rows, out / "calibration.json")
     text = forecast_markdown(rows, analysis, minutes)
     (out / "forecast.md").write_text(text)
     print(text)
@@ -447,6 +469,45 @@ def analyse(rows: list[dict]) -> dict:
     return {"table": table, "law": law}
 
 
+def linear_fit(x, y) -> tuple[float, float]:
+    """Least squares of y ~ a + b x: (a, b)."""
+    b, a = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    return float(a), float(b)
+
+
+def calibration(rows: list[dict], path: Path | None = None, samples: int = CALIBRATION_SAMPLES, seed: int = 0) -> dict:
+    """ForgettingForecast's calibration: at each time point, the least-squares lines Forgetting ~ a + b x and
+    Retention ~ a + b x over the runs, x = `param_distance`, and `samples` bootstrap (a, b) pairs (runs resampled with
+    replacement, the same resamples for both lines; resamples with a constant x are dropped, so a few fewer may be
+    kept). Runs without the statistic or a Retention are left out. Written to `path` as JSON when given."""
+    out = {"statistic": CALIBRATION_STATISTIC, "provenance": {
+        "source": "recipes/forgetting_study.py (issue 29, STUDY.md: 'Forecasting forgetting from states')",
+        "lab": "lab seed 0: the lab's 1.1M-parameter Qwen3 base, full fine-tuning (SFT, GRPO, OPD)",
+        "runs": len(rows), "methods": {m: sum(r["method"] == m for r in rows) for m in METHODS},
+        "date": time.strftime("%Y-%m-%d"), "bootstrap_seed": seed,
+        "caveat": "param_distance's scale depends on the model and its size: this calibration only holds on the lab",
+    }, "time_points": {}}  # fmt: skip
+    for label, fraction in FRACTIONS.items():
+        used = [
+            r for r in rows if r["stats"][label].get(CALIBRATION_STATISTIC) is not None and r["retention"] is not None
+        ]
+        x = np.array([r["stats"][label][CALIBRATION_STATISTIC] for r in used], float)
+        targets = {"forgetting": np.array([r["forgetting"] for r in used], float),
+                   "retention": np.array([r["retention"] for r in used], float)}  # fmt: skip
+        if len(x) < 3 or np.ptp(x) == 0:
+            continue
+        index = np.random.default_rng(seed).integers(0, len(x), size=(samples, len(x)))
+        index = index[np.ptp(x[index], axis=1) > 0]
+        point = {"fraction": fraction, "n": len(x), "distance_range": [float(x.min()), float(x.max())]}
+        for name, y in targets.items():
+            a, b = linear_fit(x, y)
+            point[name] = {"a": a, "b": b, "bootstrap": [list(linear_fit(x[i], y[i])) for i in index]}
+        out["time_points"][label] = point
+    if path is not None:
+        Path(path).write_text(json.dumps(out, indent=1))
+    return out
+
+
 def fmt(value, ci=None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -502,6 +563,34 @@ def plot_forgetting(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("base_kl at the end of training (per token, probe prompts)")
     ax.set_ylabel("Forgetting (mean base - post, retention tasks)")
     ax.set_title("Forgetting against KL(pi_0 || pi_theta), one point per run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_param_distance(rows: list[dict], path: Path, label: str = "100%") -> None:
+    """Forgetting against param_distance at `label` of training, each run a point coloured by method, with the
+    least-squares line Forgetting ~ a + b x (the line ForgettingForecast forecasts with)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for method, colour in zip(METHODS, ("tab:blue", "tab:orange", "tab:green")):
+        x, y = pairs(rows, "param_distance", label, method)
+        ax.scatter(x, y, label=f"{method} ({len(x)})", color=colour, alpha=0.8)
+    x, y = pairs(rows, "param_distance", label, None)
+    if len(x) >= 3 and x.std() > 0:
+        a, b = linear_fit(x, y)
+        grid = np.linspace(0.0, x.max(), 100)
+        ax.plot(grid, a + b * grid, color="grey", linestyle="--",
+                label=f"a + b x (R^2 {r_squared(x, y):.2f}, Spearman {spearman(x, y):+.2f})")  # fmt: skip
+    ax.axhline(0.0, color="black", linewidth=0.5)
+    ax.set_xlabel(f"param_distance at {label} of training (L2 norm of theta_t - theta_0)")
+    ax.set_ylabel("Forgetting (mean base - post, retention tasks)")
+    ax.set_title("Forgetting against the weights' distance moved, per run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

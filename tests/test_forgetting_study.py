@@ -31,6 +31,9 @@ def test_smoke_chain_writes_every_statistic_at_every_time_point(tmp_path, studen
         for label in fs.FRACTIONS:
             assert f"| {statistic} | {label} | pooled |" in markdown
     assert (out / "forgetting_vs_base_kl.png").stat().st_size > 0
+    assert (out / "forgetting_vs_param_distance.png").stat().st_size > 0
+    # (a time point needs 3 runs with a Retention: a random model may score 0 at base on the smoke's 3 items)
+    assert set(json.loads((out / "calibration.json").read_text())["time_points"]) <= set(fs.FRACTIONS)
     for row in forecast["runs"]:
         for at in row["stats"].values():
             assert at["probe_step"] == at["step"]  # a probe landed on the 10% / 25% / 100% step

@@ -59,6 +59,7 @@ def test_wheel_metadata_is_what_a_package_index_shows(dist):
         )
         entry_points = archive.read(f"trl_statelens-{trl_statelens.__version__}.dist-info/entry_points.txt").decode()
     assert {"trl_statelens/states_html.py", "trl_statelens/lab/paths.py", "trl_statelens/cli.py"} <= set(names)
+    assert "trl_statelens/forgetting_calibration.json" in names  # ForgettingForecast's default calibration
     assert not any(name.startswith(("tests/", "recipes/", "bench/")) for name in names)
     assert metadata["Name"] == "trl-statelens" and metadata["Version"] == trl_statelens.__version__
     assert metadata["License-Expression"] == "Apache-2.0" and metadata["Requires-Python"] == ">=3.10"

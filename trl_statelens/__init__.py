@@ -18,6 +18,7 @@ _EXPORTS = {
     "GSM8KTask": "evaluation",
     "MMLUTask": "evaluation",
     "RetentionEvalCallback": "evaluation",
+    "ForgettingForecast": "forecast",
     "TruthfulQATask": "evaluation",
     "evaluate_model": "evaluation",
     "retention_summary": "evaluation",
