@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from study_lab import run  # the lab study's runner: logs the command, its time, and stops on a failure
 
 from trl_statelens.evaluation import RETENTION_TASKS
 
@@ -211,10 +212,10 @@ def main():
     if not (base / "results.json").exists():
         print("base model evaluation", flush=True)
         base.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, str(RECIPES / "eval.py"), "--output_dir", str(base), *model, *eval_flags]
-        with (base / "log.txt").open("w") as log:
-            if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode:
-                sys.exit(f"the base evaluation failed; see {base / 'log.txt'}")
+        run(
+            [sys.executable, str(RECIPES / "eval.py"), "--output_dir", str(base), *model, *eval_flags],
+            base / "log.txt",
+        )
     failed = run_grid(grid, out, model, args.smoke, args.jobs)
     rows = [run_row(out / name, name, recipe, seed) for name, recipe, _, _, seed, _ in grid]
     rows = [row for row in rows if row is not None]
