@@ -263,3 +263,41 @@ def test_statelens_lab_build_and_info(tmp_path, monkeypatch, capsys):
     assert sum(1 for _ in open(root / "data" / "math" / "test.jsonl")) == 300
     assert statelens(["lab", "info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["test_scores"] == info["test_scores"]
+
+
+# ----- the lab a clone ships built ---------------------------------------------------------------------------------
+def test_a_clone_copies_its_built_lab_instead_of_pretraining(tmp_path, monkeypatch, capsys):
+    from trl_statelens.lab.build import shipped_lab
+
+    shipped = shipped_lab(0)
+    assert shipped is not None, "the repository ships lab/v2/seed0"
+    monkeypatch.setenv("STATELENS_HOME", str(tmp_path))
+    assert statelens(["lab", "build"]) == 0  # would pretrain for minutes, and print a progress bar, without the copy
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "copied from the repository's built lab" in out
+    assert "pretraining a lab Qwen3" not in out and "fine-tuning lab teacher" not in out
+    root = tmp_path / "lab" / "v2" / "seed0"
+    for name in ("base/model.safetensors", "teacher/model.safetensors", "tokenizer/tokenizer.json"):
+        assert (root / name).read_bytes() == (shipped / name).read_bytes()
+    info = json.loads((root / "info.json").read_text())
+    assert info["copied_from"] == str(shipped) and info["teacher"]["steps"] == 300
+    assert [p.name for p in root.parent.iterdir()] == ["seed0"]  # no staging copy left behind
+
+
+@pytest.mark.slow
+def test_the_shipped_lab_scores_what_its_info_says():
+    """The shipped weights are the ones every study ran on: scored now by the lab's own scorers, the base and the
+    teacher give the test scores recorded when they were built (a change to the world would break this)."""
+    from trl_statelens.lab import evaluate_base
+    from trl_statelens.lab.build import shipped_lab
+
+    shipped = shipped_lab(0)
+    info = json.loads((shipped / "info.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(shipped / "base")
+    world = LabWorld(seed=0)
+    for folder, recorded in (("base", info["test_scores"]), ("teacher", info["teacher"]["test_scores"])):
+        model = AutoModelForCausalLM.from_pretrained(shipped / folder).eval()
+        with torch.no_grad():
+            scores = evaluate_base(model, tokenizer, world, split="test")
+        assert scores == pytest.approx(recorded, abs=1e-9), folder

@@ -15,7 +15,8 @@ import sys
 def _lab_build(args: argparse.Namespace) -> int:
     from .lab import build_lab, build_teacher, lab_info
 
-    root = build_lab(seed=args.seed, size=args.size, force=args.force, max_steps=args.max_steps)
+    pretrain = {} if args.max_steps is None else {"max_steps": args.max_steps}  # none: the shipped lab may be copied
+    root = build_lab(seed=args.seed, size=args.size, force=args.force, **pretrain)
     build_teacher(seed=args.seed, steps=args.teacher_steps, force=args.force)
     info = lab_info(args.seed)
     print(f"lab ready at {root}")
@@ -60,6 +61,8 @@ def _print_info(info: dict) -> None:
         f"  base model (lab v{info.get('lab_version', 1)}): {info['size']} Qwen3, {info['parameters'] / 1e6:.2f}M parameters, "
         f"{info['pretrain_steps']} pretraining steps, built in {info['build_seconds']:.0f} s"
     )
+    if "copied_from" in info:
+        print(f"  copied from the repository's built lab, {info['copied_from']}")
     print(
         f"  test scores: math {scores['math']:.3f}  kb (MMLU analog) {scores['kb']:.3f}  "
         f"truth (TruthfulQA analog) {scores['truth']:.3f}  in band: {info['in_band']}"
@@ -121,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--size", default="lab", help="model size: 'lab' (default) or 'test'")
-    build.add_argument("--max-steps", type=int, default=500, help="pretraining step limit (cosine schedule length)")
+    build.add_argument(
+        "--max-steps", type=int, default=None, help="pretraining step limit (cosine schedule length; default 500)"
+    )
     build.add_argument("--teacher-steps", type=int, default=300, help="fine-tuning steps of the lab math teacher")
     build.add_argument("--force", action="store_true", help="rebuild even if a cached lab exists")
     build.set_defaults(func=_lab_build)

@@ -3,14 +3,20 @@
 The base model is pretrained on raw text of the world (no chat format) until its math accuracy on a held-out dev
 split enters a band that leaves room for post-training. Its retention tasks land far from chance and from ceiling by
 construction of the world (facts stated often, seldom or never; myths debunked, contested or popular).
+
+A clone of the repository ships seed 0 ready-built (`lab/v2/seed0/`, the lab every study in STUDY.md ran on): the
+first use copies it instead of pretraining for four and a half minutes, and every machine starts from the same
+weights (a rebuild on another CPU can differ in the last bits, and so in every score). `--force` rebuilds it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -201,12 +207,41 @@ def pretrain(
 
 
 # ----- the whole build -----------------------------------------------------------------------------------------
+def shipped_lab(seed: int) -> Path | None:
+    """The lab of this version and ``seed`` that the repository ships built (`lab/` beside the package: a clone has
+    seed 0, an installed wheel none), or ``None``."""
+    path = Path(__file__).resolve().parents[2] / "lab" / f"v{LAB_VERSION}" / f"seed{seed}"
+    return path if (path / "info.json").exists() else None
+
+
 def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, **pretrain_kwargs) -> Path:
-    """Build (or reuse) the lab under ``lab_dir(seed)``: ``data/``, ``tokenizer/``, ``base/`` and ``info.json``."""
+    """Build (or reuse) the lab under ``lab_dir(seed)``: ``data/``, ``tokenizer/``, ``base/`` and ``info.json``.
+
+    Without ``force``, size ``"lab"`` and default pretraining settings, the repository's shipped copy of the lab (the
+    base model and the math teacher, [`shipped_lab`]) is copied in when there is one."""
     root = lab_dir(seed)
     info_path = root / "info.json"
     if info_path.exists() and not force:
         log(f"lab already built at {root} (use --force to rebuild)")
+        return root
+    shipped = shipped_lab(seed)
+    if shipped is not None and not force and size == "lab" and not pretrain_kwargs:
+        # Copied beside it and renamed: a copy cut short is never taken for a lab, and processes starting together
+        # (the ranks of a run) each copy their own and keep the first in place
+        staging = root.with_name(f"{root.name}.copying-{os.getpid()}")
+        shutil.copytree(shipped, staging)
+        info = json.loads((staging / "info.json").read_text())
+        info["copied_from"] = str(shipped)
+        (staging / "info.json").write_text(json.dumps(info, indent=2))
+        if not info_path.exists():
+            shutil.rmtree(root, ignore_errors=True)  # an earlier build cut short
+        try:
+            staging.rename(root)
+        except OSError:  # another process put its copy there first
+            shutil.rmtree(staging)
+        log(
+            f"lab seed {seed}: copied the repository's built lab from {shipped} (`statelens lab build --force` rebuilds it)"
+        )
         return root
     started = time.perf_counter()
     world = LabWorld(seed=seed)
