@@ -43,8 +43,9 @@ $(STAMP): $(CORE)
 	fi
 	touch $(STAMP)
 
+# On every core (most tests run one torch thread), a file's tests on one worker so its fixtures are built once
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check trl_statelens tests recipes bench
