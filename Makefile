@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo demo-long demo-real bench lab study-lab study-lab-quick forgetting-study clean
+.PHONY: install test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study clean
 
 install: $(STAMP)
 
@@ -63,12 +63,6 @@ demo: $(CORE)
 	rm -rf runs/lab/opd
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py
 	@echo "How this setting was chosen, on the dev split, and why OPD moved this target slowly before: STUDY.md."
-	@echo "The rule's budget is 75 steps (dev 0.360, against 0.310 at 50): make demo-long."
-
-# The rule's budget (75 steps) of the same run, on its own output folder.
-demo-long: $(CORE)
-	rm -rf runs/lab/opd-long
-	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py --max_steps 75 --output_dir runs/lab/opd-long
 
 # A few OPD steps on the real model (student SmolLM2-135M-Instruct, teacher the same after a short GSM8K LoRA SFT,
 # built first and cached in its run folder) on real GSM8K: ../shared/data when present, else the hub (network).
