@@ -725,7 +725,7 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
 def plot_teachers(runs, styles, out_dir) -> Path | None:
     """Per teacher of each run with several: teacher_kl and supervised tokens over steps (colour: the run; line
     style: the teacher)."""
-    with_teachers = [(run, teacher_names(run)) for run in runs if teacher_names(run)]
+    with_teachers = [(run, names) for run in runs if (names := teacher_names(run))]
     if not with_teachers:
         return None
     figure, (kl_ax, tokens_ax) = new_figure(TALL_FIGURE_SIZE, rows=2)
