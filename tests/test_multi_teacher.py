@@ -111,6 +111,51 @@ def test_every_signal_trains_with_two_teachers(tmp_path, math_trained_path, math
     assert {entry["teacher"] for entry in ledger} == set(two_teachers)
 
 
+def test_per_teacher_state_metrics_match_a_hand_count_of_the_ledger(
+    tmp_path, math_trained_path, math_dataset, two_teachers
+):
+    """`supervised_tokens/<name>` and `source_frac/teacher/<name>` per optimizer step, counted again from every
+    sequence of the ledger: with gradient accumulation a step spans two micro-batches, both counted."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=two_teachers,
+        args=opd_config(
+            tmp_path,
+            max_steps=2,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            state_source_mix={"learner": 0.5, "teacher": 0.5},
+        ),  # fmt: skip
+        train_dataset=routed(math_dataset),
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )
+    trainer.train()
+    ledger = tmp_path / "statelens"
+    states = [json.loads(line) for line in open(ledger / "states.jsonl")]
+    steps = [json.loads(line) for line in open(ledger / "steps.jsonl")]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        mine = [state for state in states if state["step"] == line["step"]]
+        total = sum(state["num_supervised"] for state in mine)
+        assert line["supervised_tokens"] == total
+        for name in two_teachers:
+            theirs = [state for state in mine if state["teacher"] == name]
+            assert line[f"supervised_tokens/{name}"] == sum(state["num_supervised"] for state in theirs)
+            written = sum(state["num_supervised"] for state in theirs if state["source"] == "teacher")
+            assert line[f"source_frac/teacher/{name}"] == pytest.approx(written / total)
+        assert sum(line[f"source_frac/teacher/{name}"] for name in two_teachers) == pytest.approx(
+            line["source_frac/teacher"]
+        )
+    # both teachers wrote prefixes on some step: the breakdown is not trivially one teacher's
+    assert all(any(line[f"source_frac/teacher/{name}"] > 0 for line in steps) for name in two_teachers)
+    # the trainer's log: one value per step (logging_steps=1), the ledger's
+    logged = [entry for entry in trainer.state.log_history if "statelens/source_frac/teacher" in entry]
+    for entry, line in zip(logged, steps, strict=True):
+        for name in two_teachers:
+            assert entry[f"statelens/supervised_tokens/{name}"] == line[f"supervised_tokens/{name}"]
+            assert entry[f"statelens/source_frac/teacher/{name}"] == pytest.approx(line[f"source_frac/teacher/{name}"])
+
+
 def test_unknown_teacher_id_is_refused(tmp_path, math_trained_path, math_dataset, two_teachers):
     with pytest.raises(ValueError, match=r"not given: \['physics'\].*\['math', 'other'\]"):
         OnPolicyDistillTrainer(

@@ -108,6 +108,64 @@ def test_zero3_opd_with_teacher_states_when_a_rank_draws_none(tmp_path, student_
 
 @pytest.mark.multiproc
 @pytest.mark.slow
+def test_zero3_opd_with_two_teachers_when_the_ranks_draw_different_ones(tmp_path, student_path, teacher_path):
+    """Two in-process teachers under ZeRO-3, each row routed by its `teacher_id`: on a step where one rank has only
+    teacher a's rows and the other only teacher b's, each teacher's collectives (scoring, generation for teacher
+    states, the divergence loss) are joined by the rank without its rows, and the run finishes."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
+    command = [
+        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
+        "--main_process_port", str(free_port()), str(SCRIPT.parent / "opd_zero3_two_teachers.py"), str(student_path),
+        str(teacher_path), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = launch.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)  # the launcher and both ranks: they share its new session
+        _, stderr = launch.communicate()
+        pytest.fail(f"ZeRO-3 ranks deadlocked with two teachers (no exit in 480 s): {stderr[-2000:]}")
+    assert launch.returncode == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+
+    def read(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    for signal_name in ("reverse_kl", "divergence"):
+        runs = [rank[signal_name] for rank in ranks]
+        for run in runs:  # what actually ran: two ZeRO-3 processes, both teachers ZeRO-3 engines, every step
+            assert (run["world_size"], run["zero_stage"], run["global_step"]) == (2, 3, 3)
+            assert run["teacher_engines"] == {"a": "DeepSpeedEngine", "b": "DeepSpeedEngine"}
+        drawn = [[set(step) for step in run["row_teachers"]] for run in runs]
+        # the case under test happened: a step where each rank had rows of one teacher only, not the same one
+        assert any(len(r0) == len(r1) == 1 and r0 != r1 for r0, r1 in zip(*drawn))
+        # each rank's ledger shows the teachers its rows named, step by step (sample_rate=1: every sequence)
+        states = read(tmp_path / signal_name / "statelens" / "states.jsonl")
+        for rank in range(2):
+            for step, teachers in enumerate(drawn[rank], start=1):
+                assert {s["teacher"] for s in states if s["rank"] == rank and s["step"] == step} == teachers
+        # per-teacher state metrics of every step, equal to a count of the ledger's sequences
+        for line in read(tmp_path / signal_name / "statelens" / "steps.jsonl"):
+            mine = [s for s in states if s["step"] == line["step"]]
+            for name in ("a", "b"):
+                assert line[f"supervised_tokens/{name}"] == sum(
+                    s["num_supervised"] for s in mine if s["teacher"] == name
+                )
+            assert line["supervised_tokens/a"] + line["supervised_tokens/b"] == line["supervised_tokens"]
+            shares = line["source_frac/teacher/a"] + line["source_frac/teacher/b"]
+            assert shares == pytest.approx(line["source_frac/teacher"])
+        assert any(
+            line["source_frac/teacher"] > 0 for line in read(tmp_path / signal_name / "statelens" / "steps.jsonl")
+        )
+        for name in ("a", "b"):  # the trainer's per-teacher KL, on the steps where its rows had learner states
+            assert any(f"statelens/teacher_kl/{name}" in entry for entry in runs[0]["log_history"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_another_runs_ledger_is_refused_on_every_rank(tmp_path, student_path):
     """The main process finds the ledger; every rank raises the same error, none is left waiting for the others."""
     ledger = tmp_path / "run" / "statelens"

@@ -120,6 +120,30 @@ def test_sources_weights_teacher_and_explicit_prefix_len(tokenizer):
     assert metrics["supervised_tokens"] == 3.0
 
 
+def test_teacher_written_share_is_broken_down_by_teacher(tokenizer):
+    """Several teachers: each row's teacher is recorded per token; `source_frac/teacher/<name>` counts the tokens of
+    teacher-written rows by teacher, over all supervised tokens, so the shares sum to `source_frac/teacher`."""
+    recorder = Recorder(tokenizer)
+    recorder.state_teacher_names = ("math", "kb", "idle")
+    teacher, learner = STATE_SOURCES.index("teacher"), STATE_SOURCES.index("learner")
+    # 4 rows of 3 tokens, 2 + 3 + 1 + 3 supervised: math/teacher, kb/teacher, math/learner, kb/teacher
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    recorder._record_states(
+        torch.ones(4, 3, dtype=torch.long), mask, torch.zeros(4, 3), torch.zeros(4, 3),
+        torch.tensor([teacher, teacher, learner, teacher]), teachers=["math", "kb", "math", "kb"],
+    )  # fmt: skip
+    records = recorder._collect_state_records(sample_rate=1.0)
+    assert records.teacher.tolist() == [0, 0, 1, 1, 1, 0, 1, 1, 1]
+    assert [sample["teacher"] for sample in records.samples] == ["math", "kb", "math", "kb"]
+    metrics = aggregate_states(records, recorder.state_teacher_names)
+    assert metrics["supervised_tokens/math"] == 3.0 and metrics["supervised_tokens/kb"] == 6.0
+    assert metrics["source_frac/teacher/math"] == pytest.approx(2 / 9)
+    assert metrics["source_frac/teacher/kb"] == pytest.approx(6 / 9)
+    assert metrics["supervised_tokens/idle"] == metrics["source_frac/teacher/idle"] == 0.0
+    assert metrics["source_frac/teacher"] == pytest.approx(8 / 9)
+    assert "source_frac/teacher/math" not in aggregate_states(records)  # a single teacher: no breakdown
+
+
 def test_aggregate_without_tokens_and_histogram():
     empty = StateRecords.empty()
     assert aggregate_states(empty) == {"supervised_tokens": 0.0, "sequences": 0.0}

@@ -353,3 +353,39 @@ def test_sample_efficiency_plots_the_target_against_the_ledger_tokens(tmp_path):
     text = write_report([stock], tmp_path / "no-scores").read_text()
     assert "No plot 'Target score vs supervised tokens'" in text
     assert not (tmp_path / "no-scores" / "sample_efficiency.png").exists()
+
+
+def test_runs_with_several_teachers_get_a_row_and_curves_per_teacher(runs, tmp_path):
+    steps = step_lines(6, sources={"dataset": 0.0, "learner": 0.5, "teacher": 0.5}, teacher=True, seed=2)
+    for line in steps:  # the ledger's per-teacher aggregates: math answers about 3 rows in 4
+        line["supervised_tokens/math"] = line["supervised_tokens"] - line["supervised_tokens"] // 4
+        line["supervised_tokens/kb"] = line["supervised_tokens"] // 4
+        line["source_frac/teacher/math"], line["source_frac/teacher/kb"] = 0.4 - 0.01 * line["step"], 0.1
+    log_history = [
+        {"step": s, "loss": 1.0, "statelens/teacher_kl/math": 0.1 * s, "statelens/teacher_kl/kb": 0.5}
+        for s in range(1, 7)
+    ]
+    routed = write_run(tmp_path / "routed", steps=steps, log_history=log_history)
+    text = write_report([runs["opd"], routed], tmp_path / "out").read_text()
+
+    lines = text.split("## Teachers", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    first_table = itertools.takewhile(lambda line: line.startswith("|"), lines[start:])
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in first_table]
+    table = {(row[0], row[1]): dict(zip(rows[0], row)) for row in rows[2:]}
+    assert list(table) == [("routed", "math"), ("routed", "kb")]  # the single-teacher run has no teacher rows
+    tokens = np.array([line["supervised_tokens"] for line in steps])
+    math_tokens = sum(line["supervised_tokens/math"] for line in steps)
+    assert int(table["routed", "math"]["Supervised tokens"].replace(",", "")) == math_tokens
+    close(table["routed", "math"]["share"], math_tokens / tokens.sum(), 3)
+    close(table["routed", "kb"]["share"], 1 - math_tokens / tokens.sum(), 3)
+    written = np.average([line["source_frac/teacher/math"] for line in steps], weights=tokens)
+    close(table["routed", "math"]["teacher-written share"], written, 3)
+    close(table["routed", "math"]["teacher_kl"], 0.35, 4)  # the mean of 0.1 ... 0.6
+    close(table["routed", "kb"]["teacher_kl"], 0.5, 4)
+    assert "](teachers.png)" in text
+    assert_not_blank(tmp_path / "out" / "teachers.png")
+
+    text = write_report([runs["opd"]], tmp_path / "single").read_text()
+    assert "## Teachers" not in text
+    assert "No plot 'Teacher KL and supervised tokens per teacher': no run has several teachers" in text

@@ -144,8 +144,11 @@ def report_dir(tmp_path_factory, tensorboard_opd_run):
     return out
 
 
-def synthetic_ledger(run_dir: Path, num_sequences: int, num_steps: int, tokens: int = 120, seed: int = 0) -> None:
-    """A ledger of `num_sequences` sequences over `num_steps` steps, in the callback's format."""
+def synthetic_ledger(
+    run_dir: Path, num_sequences: int, num_steps: int, tokens: int = 120, seed: int = 0, teachers: tuple = ()
+) -> None:
+    """A ledger of `num_sequences` sequences over `num_steps` steps, in the callback's format; with `teachers`, each
+    sequence's `teacher` cycles through them (a run of several teachers)."""
     rng = np.random.default_rng(seed)
     ledger = run_dir / "statelens"
     ledger.mkdir(parents=True)
@@ -171,6 +174,8 @@ def synthetic_ledger(run_dir: Path, num_sequences: int, num_steps: int, tokens: 
                 "teacher_logp": teacher.tolist(),
                 "weight": [float(rng.normal())] * tokens,
             }
+            if teachers:
+                line["teacher"] = teachers[index % len(teachers)]
             file.write(json.dumps(line) + "\n")
     with (ledger / "steps.jsonl").open("w") as file:
         for step in range(1, num_steps + 1):
@@ -245,6 +250,15 @@ def test_ledger_from_before_per_token_text_shows_the_completion(tmp_path):
     assert [(entry["t"], entry["c"]) for entry in entries] == [(None, line["completion"]) for line in lines]
 
 
+def test_page_embeds_each_sequences_teacher(tmp_path):
+    synthetic_ledger(tmp_path / "two", num_sequences=6, num_steps=2, tokens=3, teachers=("math", "kb", "math"))
+    synthetic_ledger(tmp_path / "one", num_sequences=2, num_steps=1, tokens=3)
+    data = page_data([load_run(tmp_path / "two"), load_run(tmp_path / "one")])
+    assert data["teachers"] == ["kb", "math"]
+    assert [entry["te"] for entry in data["sequences"]] == ["math", "kb", "math"] * 2 + [None, None]
+    assert page_data([load_run(tmp_path / "one")])["teachers"] == []  # the page offers no teacher filter then
+
+
 # ----- what the browser shows ---------------------------------------------------------------------------------------
 VISIBLE = "Number(document.getElementById('sequences').dataset.visible)"
 
@@ -290,6 +304,35 @@ def test_page_renders_and_filters_in_chromium(browser, report_dir, tensorboard_o
     assert gaps == sorted(gaps, reverse=True)
     colours = browser.run("return new Set([...document.querySelectorAll('.tok')].map(t => t.style.background)).size")
     assert colours > 10
+    no_console_errors(browser)
+
+
+@needs_browser
+@pytest.mark.slow
+def test_teacher_filter_and_colour_in_chromium(browser, tmp_path):
+    synthetic_ledger(tmp_path / "two", num_sequences=12, num_steps=2, tokens=4, teachers=("math", "kb"))
+    synthetic_ledger(tmp_path / "one", num_sequences=4, num_steps=2, tokens=4)
+    path = write_states_page([load_run(tmp_path / "two"), load_run(tmp_path / "one")], tmp_path / "states.html")
+    browser.open(path)
+    assert browser.run("return document.getElementById('teacher-field').hidden") is False
+    assert browser.run(f"return {VISIBLE}") == 16  # every teacher ticked: the single-teacher run shows too
+    heads = "return [...document.querySelectorAll('#sequences .seq-head .badge.teacher')].map(b => b.textContent)"
+    assert sorted(browser.run(heads)) == ["kb"] * 6 + ["math"] * 6
+    browser.click("#teacher-boxes label:nth-child(1) input")  # untick kb (names sorted)
+    assert browser.run(f"return {VISIBLE}") == 6 and set(browser.run(heads)) == {"math"}
+    assert "teacher=math" in browser.run("return location.hash")
+    browser.open(path, "#color=teacher_id")
+    assert browser.run("return document.getElementById('color-by').value") == "teacher_id"
+    legend = browser.run("return document.getElementById('legend').textContent")
+    assert "teacher" in legend and "kb" in legend and "math" in legend
+    # two teachers' tints, and grey for the run without teachers
+    colours = browser.run("return [...new Set([...document.querySelectorAll('.tok')].map(t => t.style.background))]")
+    assert len(colours) == 3
+    no_console_errors(browser)
+    single = write_states_page([load_run(tmp_path / "one")], tmp_path / "single.html")
+    browser.open(single, "#color=teacher_id")  # no such colouring without teachers: the default instead
+    assert browser.run("return document.getElementById('teacher-field').hidden") is True
+    assert browser.run("return document.getElementById('color-by').value") == "source"
     no_console_errors(browser)
 
 

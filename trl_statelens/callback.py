@@ -33,7 +33,8 @@ class StateLoggingCallback(TrainerCallback):
     - with a StateLens trainer ([`StateLensSFTTrainer`], [`StateLensGRPOTrainer`] or any trainer using
       [`StateRecorderMixin`]), the step's state records are gathered from every rank and aggregated (`state_nll`,
       `state_entropy`, `offpolicy_gap`, `source_frac/*`, `prefix_len/*`, `weight/*`, and `teacher_nll`/`teacher_kl`
-      when a teacher scored the tokens). The aggregates go into the trainer's metrics under the `statelens/` prefix,
+      when a teacher scored the tokens; with several teachers `supervised_tokens/<name>` and
+      `source_frac/teacher/<name>`). The aggregates go into the trainer's metrics under the `statelens/` prefix,
       so they are logged (and reach `report_to` backends) with the trainer's own metrics;
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
       against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`;
@@ -168,7 +169,7 @@ class StateLoggingCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.records_states:
             records = self.trainer._collect_state_records(self.sample_rate, seed=args.seed)
-            metrics = aggregate_states(records)
+            metrics = aggregate_states(records, self.trainer.state_teacher_names)
             self._log_metrics(metrics)
             if state.is_world_process_zero:
                 line = {"step": state.global_step, "epoch": state.epoch, **metrics}

@@ -59,8 +59,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             vLLM server running it (a string starting with `http://` or `https://`), in-process and served mixed. Each
             row goes to the teacher its `teacher_id` column names (TRL's name); rows without the column, or with
             `None`, go to the first teacher of the dict. Every signal and state source works per row; the metrics add
-            `statelens/teacher_kl/<name>` and `statelens/supervised_tokens/<name>` and the ledger's sequences carry
-            their `teacher`.
+            `statelens/teacher_kl/<name>`, and the state records `statelens/supervised_tokens/<name>` and
+            `statelens/source_frac/teacher/<name>`; the ledger's sequences carry their `teacher`.
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
@@ -161,6 +161,10 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)
             self.vllm_importance_sampling_correction = False
         self._scoring_rollouts = False
+
+    @property
+    def state_teacher_names(self) -> tuple[str, ...]:  # the records tell the rows of several teachers apart
+        return self.teacher.names
 
     def train(self, *args, **kwargs):
         with self.teacher.session():  # a served teacher's background requests, with `teacher_server_overlap`
@@ -513,8 +517,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source, teachers
     ):
         """`teacher_kl` (mean sampled reverse KL) and `teacher_nll` over the tokens the student sampled itself; with
-        several teachers, `statelens/teacher_kl/<name>` and `statelens/supervised_tokens/<name>` per teacher too (each
-        row's `teachers` entry)."""
+        several teachers, `statelens/teacher_kl/<name>` per teacher too (each row's `teachers` entry). Supervised
+        tokens per teacher are counted per optimizer step by the state records (`StateLoggingCallback`)."""
         mode = "train" if self.model.training else "eval"
         sampled = completion_mask.bool() & (token_source == LEARNER)
         if self.args.signal == "continuation":
@@ -523,7 +527,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         per_teacher = []
         for name in self.teacher.names:
             rows = torch.tensor([t == name for t in teachers], device=kl.device)[:, None]
-            per_teacher += [(kl * rows).sum(), (sampled & rows).sum().float(), (loss_mask * rows).sum()]
+            per_teacher += [(kl * rows).sum(), (sampled & rows).sum().float()]
         sums = torch.stack(
             [
                 kl.sum(),
@@ -537,10 +541,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         totals = self.accelerator.gather(sums[None]).sum(0).tolist()
         kl_sum, nll_sum, count, entropy_sum, supervised = totals[:5]
         for i, name in enumerate(self.teacher.names):
-            teacher_kl_sum, teacher_count, teacher_supervised = totals[5 + 3 * i : 8 + 3 * i]
+            teacher_kl_sum, teacher_count = totals[5 + 2 * i : 7 + 2 * i]
             if teacher_count > 0:
                 self._metrics[mode][f"statelens/teacher_kl/{name}"].append(teacher_kl_sum / teacher_count)
-            self._metrics[mode][f"statelens/supervised_tokens/{name}"].append(teacher_supervised)
         if count > 0:
             self._metrics[mode]["teacher_kl"].append(kl_sum / count)
             self._metrics[mode]["teacher_nll"].append(nll_sum / count)

@@ -14,7 +14,9 @@ One record per supervised token holds:
 - ``logp`` and ``entropy``: the learner's log-probability of the supervised token and the entropy of its next-token
   distribution at the state;
 - ``teacher_logp``: the teacher's log-probability of the token (NaN without a teacher);
-- ``weight``: what the loss multiplies the token by (1 for SFT, the advantage for GRPO).
+- ``weight``: what the loss multiplies the token by (1 for SFT, the advantage for GRPO);
+- ``teacher``: with several teachers, which one answers the token's row (an index into the trainer's
+  ``state_teacher_names``), -1 otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 STATE_SOURCES = ("dataset", "learner", "teacher")
-TOKEN_FIELDS = ("rank", "sequence", "prefix_len", "source", "logp", "entropy", "teacher_logp", "weight")
+TOKEN_FIELDS = ("rank", "sequence", "prefix_len", "source", "logp", "entropy", "teacher_logp", "weight", "teacher")
+INTEGER_FIELDS = ("rank", "sequence", "prefix_len", "source", "teacher")
 PREFIX_QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -53,7 +56,12 @@ class StateRecords:
     entropy: torch.Tensor
     teacher_logp: torch.Tensor
     weight: torch.Tensor
+    teacher: torch.Tensor | None = None  # None: no teacher routing, every entry -1
     samples: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.teacher is None:
+            self.teacher = torch.full_like(self.source, -1)
 
     def __len__(self) -> int:
         return self.logp.numel()
@@ -90,16 +98,19 @@ class StateRecords:
         rows_per_rank = padded.size(0) // accelerator.num_processes
         table = torch.cat([padded[r * rows_per_rank : r * rows_per_rank + n] for r, n in enumerate(counts)])
         columns = {
-            name: table[:, i].long() if name in ("rank", "sequence", "prefix_len", "source") else table[:, i].float()
+            name: table[:, i].long() if name in INTEGER_FIELDS else table[:, i].float()
             for i, name in enumerate(TOKEN_FIELDS)
         }
         return StateRecords(**columns, samples=gather_object(self.samples))
 
 
-def aggregate_states(records: StateRecords) -> dict[str, float]:
+def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ()) -> dict[str, float]:
     """The per-step metrics of DESIGN.md from one step's records (all ranks).
 
     ``supervised_tokens`` and ``sequences`` are always there; the rest only when the step supervised any token.
+    With several teachers (``teacher_names``, the order the records' ``teacher`` codes index), per teacher
+    ``supervised_tokens/<name>`` (the supervised tokens of its rows) and ``source_frac/teacher/<name>`` (the share of
+    all supervised tokens whose prefix it wrote: they sum to ``source_frac/teacher``).
     ``teacher_nll`` and ``teacher_kl`` (the sampled reverse KL, ``log p_student - log p_teacher``) are means over the
     tokens the learner sampled itself that have a teacher log-prob: on tokens the teacher wrote, that difference is
     not an estimate of any KL. The records move to the CPU once and are reduced there in float64 (some devices, such
@@ -109,6 +120,8 @@ def aggregate_states(records: StateRecords) -> dict[str, float]:
     num_tokens = len(records)
     num_sequences = torch.unique(records.rank * (records.sequence.max() + 1 if num_tokens else 1) + records.sequence)
     metrics = {"supervised_tokens": float(num_tokens), "sequences": float(num_sequences.numel())}
+    for code, name in enumerate(teacher_names):
+        metrics[f"supervised_tokens/{name}"] = float((records.teacher == code).sum())
     if num_tokens == 0:
         return metrics
 
@@ -119,6 +132,10 @@ def aggregate_states(records: StateRecords) -> dict[str, float]:
     for code, source in enumerate(STATE_SOURCES):
         names.append(f"source_frac/{source}")
         values.append((records.source == code).double().mean())
+    written_by_teacher = records.source == source_code("teacher")
+    for code, name in enumerate(teacher_names):
+        names.append(f"source_frac/teacher/{name}")
+        values.append((written_by_teacher & (records.teacher == code)).double().mean())
     names += [f"prefix_len/p{round(q * 100)}" for q in PREFIX_QUANTILES] + ["prefix_len/mean", "prefix_len/max"]
     values += list(_quantiles(prefix_len, PREFIX_QUANTILES)) + [
         prefix_len.mean(),
@@ -189,6 +206,8 @@ class StateRecorderMixin:
 
     _state_buffer: list[_MicroBatchStates] | None = None
     _state_sequences_in_step: int = 0
+    # With several teachers, their names, the same on every rank: each row's teacher is recorded as its index here
+    state_teacher_names: tuple[str, ...] = ()
 
     def _start_state_recording(self) -> None:
         self._state_buffer = []
@@ -232,8 +251,8 @@ class StateRecorderMixin:
             weights (`float` or `torch.Tensor` of shape `(B,)` or `(B, L)`, *optional*): per-token weight or
                 advantage the loss applies; defaults to 1.
             rewards (`torch.Tensor` of shape `(B,)`, *optional*): reward of each row, written to the ledger.
-            teachers (`list[str]` of length `B`, *optional*): the teacher of each row (several teachers), written to
-                the ledger.
+            teachers (`list[str]` of length `B`, *optional*): the teacher of each row (several teachers), one of
+                `state_teacher_names`: written to the ledger, and counted per teacher in the step's metrics.
         """
         if self._state_buffer is None:
             return
@@ -281,6 +300,10 @@ class StateRecorderMixin:
             token_teacher = teacher_logps.detach().float().flatten()[flat_supervised]
         weights = 1.0 if weights is None else weights
         token_weight = _per_row(weights, batch_size, seq_len, device, torch.float32).flatten()[flat_supervised]
+        token_teacher_code = None
+        if teachers is not None:
+            codes = torch.tensor([self.state_teacher_names.index(t) for t in teachers], device=device)
+            token_teacher_code = _per_row(codes, batch_size, seq_len, device, torch.long).flatten()[flat_supervised]
 
         offset = self._state_sequences_in_step
         records = StateRecords(
@@ -292,6 +315,7 @@ class StateRecorderMixin:
             entropy=entropy.detach().float().flatten()[flat_supervised],
             teacher_logp=token_teacher,
             weight=token_weight.detach().float(),
+            teacher=token_teacher_code,
         )
         recorded = last >= 0  # sequences with at least one supervised token
         start = torch.full((num_sequences,), seq_len, device=device).scatter_reduce(

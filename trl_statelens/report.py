@@ -61,6 +61,7 @@ FIGURE_SIZE = (7.0, 4.5)
 TALL_FIGURE_SIZE = (7.0, 6.0)
 DPI = 120
 SMOOTH_ABOVE_POINTS = 100  # longer curves are drawn faint per step, with a moving average on top
+TEACHER_LINES = ("-", "--", ":", "-.")  # one per teacher of a run with several, in its colour
 
 
 # ----- reading run folders ----------------------------------------------------------------------------------------
@@ -222,14 +223,42 @@ def token_weighted_mean(steps: pd.DataFrame | None, name: str, source: str | Non
     return float(np.average(values[usable], weights=weights[usable]))
 
 
-def teacher_kl_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
-    """(steps, teacher_kl) from the ledger, else from the trainer's log history (OPD trainers log it)."""
-    for frame in (run.steps, frame_from_log_history(run.log_history or [], "", "teacher_kl")):
-        values = column(frame, "teacher_kl")
+def metric_curve(run: Run, name: str, log_key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, values) of metric `name` from the ledger, else of `log_key` from the trainer's log history."""
+    for frame, key in ((run.steps, name), (frame_from_log_history(run.log_history or [], "", log_key), log_key)):
+        values = column(frame, key)
         if values is not None:
             keep = np.isfinite(values)
             return frame["step"].to_numpy(dtype=float)[keep], values[keep]
     return None
+
+
+def teacher_kl_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, teacher_kl) from the ledger, else from the trainer's log history (OPD trainers log it)."""
+    return metric_curve(run, "teacher_kl", "teacher_kl")
+
+
+def teacher_names(run: Run) -> list[str]:
+    """The teachers of a run with several (`OnPolicyDistillTrainer` with a dict of teachers): the names in its
+    ledger's `supervised_tokens/<name>` and its log's `statelens/{supervised_tokens,teacher_kl}/<name>`, in order of
+    appearance."""
+    keys = list(run.steps.columns) if run.steps is not None else []
+    keys += [key for entry in run.log_history or [] if isinstance(entry, dict) for key in entry]
+    prefixes = ("supervised_tokens/", "statelens/supervised_tokens/", "statelens/teacher_kl/")
+    names = [key.split(prefix, 1)[1] for key in keys for prefix in prefixes if key.startswith(prefix)]
+    return list(dict.fromkeys(names))
+
+
+def teacher_curves(run: Run, name: str) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
+    """Teacher `name`'s per-step curves: `teacher_kl` (the trainer logs it), `supervised_tokens` and
+    `source_frac_teacher` (the ledger records them; from the log history when there is no ledger)."""
+    return {
+        "teacher_kl": metric_curve(run, f"teacher_kl/{name}", f"statelens/teacher_kl/{name}"),
+        "supervised_tokens": metric_curve(run, f"supervised_tokens/{name}", f"statelens/supervised_tokens/{name}"),
+        "source_frac_teacher": metric_curve(
+            run, f"source_frac/teacher/{name}", f"statelens/source_frac/teacher/{name}"
+        ),
+    }
 
 
 def target_eval_key(run: Run) -> str:
@@ -433,6 +462,53 @@ def state_table(runs: list[Run]) -> list[Block]:
             "reverse_kl and divergence; the continuation signal supervises the teacher's own tokens).",
         ),
         *(note(text) for text in notes),
+    ]
+
+
+def teacher_table(runs: list[Run]) -> list[Block]:
+    """One row per teacher of each run with several: its supervised tokens and their share, the share of all
+    supervised tokens on prefixes it wrote, and its teacher_kl."""
+    rows = []
+    for run in runs:
+        names = teacher_names(run)
+        curves = {name: teacher_curves(run, name) for name in names}
+        totals = {
+            name: float(np.sum(c["supervised_tokens"][1])) if c["supervised_tokens"] is not None else None
+            for name, c in curves.items()
+        }
+        everything = sum(t for t in totals.values() if t is not None)
+        for name, curve in curves.items():
+            tokens, written, kl = totals[name], curve["source_frac_teacher"], curve["teacher_kl"]
+            rows.append(
+                [
+                    run.label,
+                    name,
+                    fmt(None if tokens is None else int(tokens), ","),
+                    fmt(None if tokens is None or not everything else tokens / everything, ".3f"),
+                    fmt(
+                        None if written is None else token_weighted_mean(run.steps, f"source_frac/teacher/{name}"),
+                        ".3f",
+                    ),
+                    fmt(None if kl is None else float(np.mean(kl[1])), ".4f"),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        Block("heading", "Teachers"),
+        Block(
+            "table",
+            header=["Run", "Teacher", "Supervised tokens", "share", "teacher-written share", "teacher_kl"],
+            rows=rows,
+        ),
+        Block(
+            "text",
+            "Runs with several teachers (each row routed by its `teacher_id`). Supervised tokens: the total over all "
+            "steps on the rows this teacher answered, and their share of the run's. Teacher-written share: of all "
+            "supervised tokens, those on prefixes this teacher wrote (`source_frac/teacher/<name>`, token-weighted "
+            "over steps; the run's teacher column above is their sum). teacher_kl: the mean of the logged "
+            "`statelens/teacher_kl/<name>` values, over the tokens its rows' student sampled.",
+        ),
     ]
 
 
@@ -646,6 +722,31 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
     return save(figure, out_dir, "teacher_kl.png")
 
 
+def plot_teachers(runs, styles, out_dir) -> Path | None:
+    """Per teacher of each run with several: teacher_kl and supervised tokens over steps (colour: the run; line
+    style: the teacher)."""
+    with_teachers = [(run, names) for run in runs if (names := teacher_names(run))]
+    if not with_teachers:
+        return None
+    figure, (kl_ax, tokens_ax) = new_figure(TALL_FIGURE_SIZE, rows=2)
+    for run, names in with_teachers:
+        for index, name in enumerate(names):
+            curves = teacher_curves(run, name)
+            for ax, key in ((kl_ax, "teacher_kl"), (tokens_ax, "supervised_tokens")):
+                if curves[key] is not None:
+                    ax.plot(*curves[key], color=styles[run.label]["color"], linestyle=TEACHER_LINES[index % 4],
+                            marker=styles[run.label]["marker"], markersize=3, label=f"{run.label}: {name}")  # fmt: skip
+    kl_ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
+    kl_ax.set_title("Sampled reverse KL to each teacher (statelens/teacher_kl/<name>)")
+    kl_ax.set_ylabel("nats per token")
+    tokens_ax.set_title("Supervised tokens per step on each teacher's rows")
+    tokens_ax.set_ylabel("tokens")
+    tokens_ax.set_xlabel("optimizer step")
+    finish_legend(kl_ax)
+    finish_legend(tokens_ax)
+    return save(figure, out_dir, "teachers.png")
+
+
 def target_scores_during(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(step, `eval/gsm8k/<metric>`) from the log history, step 0 from the `before` evaluation when it has it."""
     key = f"eval/{TARGET_TASK}/{metric}"
@@ -845,6 +946,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "no run logged `teacher_kl` (only on-policy distillation runs do)",
         ),
         (
+            "Teacher KL and supervised tokens per teacher",
+            lambda: plot_teachers(runs, styles, out_dir),
+            "no run has several teachers",
+        ),
+        (
             "Target score vs training compute",
             lambda: plot_compute(runs, styles, out_dir, base_scores),
             "no run has `compute` in results.json and target scores during training (--target_eval_steps N)",
@@ -1002,6 +1108,7 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
     blocks = (
         table2(runs, base_scores, base_source)
         + state_table(runs)
+        + teacher_table(runs)
         + plot_blocks(runs, out_dir, base_scores)
         + compute_table(runs, base_scores)
         + run_notes(runs)

@@ -6,12 +6,14 @@ SVG, no library, no network), so it works opened from disk. It shows:
 - sequences sampled from each run's `statelens/states.jsonl`: the prompt in grey, then each supervised token coloured
   by the chosen quantity (state source, learner log-prob, teacher log-prob, the gap `log p_S - log p_T`, weight or
   advantage, entropy); hovering a token shows its values and prefix length;
-- filters by run, step range, source and reward, and a sort by off-policy gap or teacher KL, 40 sequences a page;
+- filters by run, step range, source and reward (and by teacher, with a run of several teachers, whose tokens can
+  also be coloured by which teacher answers their row), and a sort by off-policy gap or teacher KL, 40 sequences a
+  page;
 - per run, the prefix-length histogram over steps as a heatmap (from `steps.jsonl`), and state and drift metrics
   over steps; dragging across a chart or the heatmap sets the step filter, double-click clears it.
 
-The filter lives in the URL's `#fragment` (`#source=learner&steps=10-20&color=gap&sort=kl`), so a view can be
-shared or opened directly.
+The filter lives in the URL's `#fragment` (`#source=learner&steps=10-20&color=gap&sort=kl`, `#teacher=math&color=teacher_id`),
+so a view can be shared or opened directly.
 
 A big ledger is sampled, not embedded whole: at most `max_sequences` sequences and `max_tokens` tokens in all, spread
 evenly over each run's ledger lines (the page says how many it shows out of how many). Per-token values are
@@ -79,8 +81,10 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
     if len(prompt) > MAX_PROMPT_CHARS:
         prompt = "…" + prompt[-MAX_PROMPT_CHARS:]
     reward = line.get("reward")
+    teacher_name = line.get("teacher")  # runs with several teachers only
     return {
         "r": run_index,
+        "te": teacher_name if isinstance(teacher_name, str) else None,
         "s": int(line.get("step", 0)),
         "src": STATE_SOURCES.index(source) if source in STATE_SOURCES else -1,
         "rw": float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None,
@@ -178,6 +182,7 @@ def page_data(runs, max_sequences: int = MAX_SEQUENCES, max_tokens: int = MAX_TO
         "runs": run_entries,
         "sequences": sequences,
         "sources": list(STATE_SOURCES),
+        "teachers": sorted({entry["te"] for entry in sequences if entry["te"] is not None}),
         "step_metrics": [list(pair) for pair in STEP_METRICS],
         "drift_metrics": [list(pair) for pair in DRIFT_METRICS],
     }
@@ -212,6 +217,7 @@ PAGE = """<!DOCTYPE html>
     <input id="step-min" type="number" placeholder="from"> – <input id="step-max" type="number" placeholder="to">
     <button type="button" id="step-clear">all</button></fieldset>
   <fieldset><legend>Source</legend><div id="source-boxes"></div></fieldset>
+  <fieldset id="teacher-field" hidden><legend>Teacher</legend><div id="teacher-boxes"></div></fieldset>
   <fieldset><legend>Reward</legend>
     <input id="reward-min" type="number" step="any" placeholder="min"> –
     <input id="reward-max" type="number" step="any" placeholder="max"></fieldset>
@@ -277,9 +283,11 @@ SCRIPT = r"""
 "use strict";
 const DATA = JSON.parse(document.getElementById("data").textContent);
 const SOURCES = DATA.sources;
+const TEACHERS = DATA.teachers;  // the teachers that answered rows, with several; empty otherwise
 const SOURCE_COLORS = {dataset: "#4e79a7", learner: "#59a14f", teacher: "#f28e2b"};
 const SOURCE_TINTS = {dataset: "#b9cfe6", learner: "#bfe0b8", teacher: "#fbd0a6"};  // token backgrounds
 const RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"];
+const TEACHER_RGB = [[225, 87, 89], [118, 183, 178], [237, 201, 72], [176, 122, 161], [156, 117, 95], [186, 176, 172]];
 const PAGE_SIZE = 40;
 const SVG_NS = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
@@ -306,6 +314,7 @@ const QUANTITIES = {
   weight: {label: "weight / advantage", value: weightOf, kind: "diverging"},
   entropy: {label: "learner entropy", value: entropyOf, kind: "entropy"},
 };
+if (TEACHERS.length) QUANTITIES.teacher_id = {label: "teacher (which one)", value: null};
 const SORTS = {
   step: {label: "step", key: (s) => s.s, descending: false},
   gap: {label: "off-policy gap (highest first)", key: (s) => s.gap, descending: true},
@@ -343,22 +352,30 @@ function colorFor(name, v) {
   const t = Math.max(-1, Math.min(1, v / domain));  // diverging: negative blue, positive red
   return t < 0 ? mix(WHITE, BLUE, -t) : mix(WHITE, RED, t);
 }
+function teacherColor(name, t) {  // a teacher's colour, mixed with white by t (token backgrounds are tints)
+  const k = TEACHERS.indexOf(name);
+  return k < 0 ? "#ddd" : mix(TEACHER_RGB[k % TEACHER_RGB.length], WHITE, t);
+}
 function tokenColor(seq, i) {
   if (state.color === "source") return SOURCE_TINTS[SOURCES[seq.src]] || "#ddd";
+  if (state.color === "teacher_id") return teacherColor(seq.te, 0.55);
   return colorFor(state.color, QUANTITIES[state.color].value(seq, i));
 }
 
 // ----- state: filters, kept in the URL fragment --------------------------------------------------------------
 const state = {runs: new Set(DATA.runs.map((_, i) => i)), stepMin: null, stepMax: null,
-  sources: new Set(SOURCES), rewardMin: null, rewardMax: null, color: "source", sort: "step", page: 0};
-const DEFAULTS = JSON.stringify({...state, runs: [...state.runs], sources: [...state.sources]});
+  sources: new Set(SOURCES), teachers: new Set(TEACHERS), rewardMin: null, rewardMax: null, color: "source",
+  sort: "step", page: 0};
+const DEFAULTS = JSON.stringify({...state, runs: [...state.runs], sources: [...state.sources],
+  teachers: [...state.teachers]});
 function readHash() {  // the filters the fragment names; the others at their defaults
   Object.assign(state, JSON.parse(DEFAULTS));
-  state.runs = new Set(state.runs); state.sources = new Set(state.sources);
+  state.runs = new Set(state.runs); state.sources = new Set(state.sources); state.teachers = new Set(state.teachers);
   const params = new URLSearchParams(location.hash.slice(1));
   const num = (v) => (v === null || v === "" || isNaN(Number(v)) ? null : Number(v));
   if (params.has("runs")) state.runs = new Set(params.get("runs").split(",").map(Number));
   if (params.has("source")) state.sources = new Set(params.get("source").split(",").filter((s) => SOURCES.includes(s)));
+  if (params.has("teacher")) state.teachers = new Set(params.get("teacher").split(",").filter((t) => TEACHERS.includes(t)));
   if (params.has("steps")) {
     const [a, b] = params.get("steps").split("-");
     state.stepMin = num(a); state.stepMax = num(b);
@@ -375,6 +392,7 @@ function writeHash() {
   const params = new URLSearchParams();
   if (state.runs.size !== DATA.runs.length) params.set("runs", [...state.runs].join(","));
   if (state.sources.size !== SOURCES.length) params.set("source", [...state.sources].join(","));
+  if (state.teachers.size !== TEACHERS.length) params.set("teacher", [...state.teachers].join(","));
   if (state.stepMin !== null || state.stepMax !== null) params.set("steps", (state.stepMin ?? "") + "-" + (state.stepMax ?? ""));
   if (state.rewardMin !== null || state.rewardMax !== null) params.set("reward", (state.rewardMin ?? "") + ":" + (state.rewardMax ?? ""));
   if (state.color !== "source") params.set("color", state.color);
@@ -386,6 +404,8 @@ function writeHash() {
 function visibleSequences() {
   const keep = DATA.sequences.filter((s) =>
     state.runs.has(s.r) && state.sources.has(SOURCES[s.src]) &&
+    // a sequence without a teacher (a run of one teacher) shows while no teacher is unticked
+    (state.teachers.size === TEACHERS.length || state.teachers.has(s.te)) &&
     (state.stepMin === null || s.s >= state.stepMin) && (state.stepMax === null || s.s <= state.stepMax) &&
     (state.rewardMin === null || (s.rw !== null && s.rw >= state.rewardMin)) &&
     (state.rewardMax === null || (s.rw !== null && s.rw <= state.rewardMax)));
@@ -415,6 +435,9 @@ function setupControls() {
     (on) => { toggle(state.runs, i, on); update(true); }, RUN_COLORS[i % RUN_COLORS.length]));
   SOURCES.forEach((source) => checkbox($("source-boxes"), source, state.sources.has(source),
     (on) => { toggle(state.sources, source, on); update(true); }, SOURCE_COLORS[source]));
+  $("teacher-field").hidden = !TEACHERS.length;
+  TEACHERS.forEach((name) => checkbox($("teacher-boxes"), name, state.teachers.has(name),
+    (on) => { toggle(state.teachers, name, on); update(true); }, teacherColor(name, 0)));
   for (const [id, key] of [["step-min", "stepMin"], ["step-max", "stepMax"], ["reward-min", "rewardMin"], ["reward-max", "rewardMax"]]) {
     const input = $(id);
     input.value = state[key] ?? "";
@@ -433,6 +456,7 @@ function setupControls() {
 function syncControls() {  // the form shows the state (after a fragment change)
   $("run-boxes").querySelectorAll("input").forEach((box, i) => { box.checked = state.runs.has(i); });
   $("source-boxes").querySelectorAll("input").forEach((box, i) => { box.checked = state.sources.has(SOURCES[i]); });
+  $("teacher-boxes").querySelectorAll("input").forEach((box, i) => { box.checked = state.teachers.has(TEACHERS[i]); });
   for (const [id, key] of [["step-min", "stepMin"], ["step-max", "stepMax"], ["reward-min", "rewardMin"], ["reward-max", "rewardMax"]]) $(id).value = state[key] ?? "";
   $("color-by").value = state.color; $("sort-by").value = state.sort;
 }
@@ -453,6 +477,8 @@ function renderSequence(seq, index) {
   const source = SOURCES[seq.src] || "?";
   head.innerHTML = `<b>${escapeHtml(DATA.runs[seq.r].label)}</b> · step ${seq.s} · ` +
     `<span class="badge" style="background:${SOURCE_COLORS[source] || "#999"}">${source}</span> · ` +
+    (seq.te === null ? "" : `teacher <span class="badge teacher" style="background:${teacherColor(seq.te, 0)}">` +
+      `${escapeHtml(seq.te)}</span> · `) +
     `${seq.lp.length} supervised tokens · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
     `teacher KL ${fmt(seq.kl)}`;
   const prompt = document.createElement("div");
@@ -505,6 +531,11 @@ function renderLegend() {
       `<span class="swatch" style="background:${SOURCE_TINTS[s]}"></span> ${s}`).join(" ");
     return;
   }
+  if (state.color === "teacher_id") {
+    legend.innerHTML = "Token colour: the row's teacher " + TEACHERS.map((t) =>
+      `<span class="swatch" style="background:${teacherColor(t, 0.55)}"></span> ${escapeHtml(t)}`).join(" ");
+    return;
+  }
   const q = QUANTITIES[state.color], domain = DOMAINS[state.color];
   if (domain === null) { legend.textContent = `No ${q.label} in these ledgers (grey tokens).`; return; }
   let low, high, stops;
@@ -526,7 +557,7 @@ function setupTooltip() {
     const rows = [["prefix length", prefixOf(seq, i)], ["learner log p", fmt(logpOf(seq, i))],
       ["teacher log p", fmt(teacherOf(seq, i))], ["gap log p_S - log p_T", fmt(gapOf(seq, i))],
       ["learner entropy", fmt(entropyOf(seq, i), 2)], ["weight", fmt(weightOf(seq, i))],
-      ["source", SOURCES[seq.src]]];
+      ["source", SOURCES[seq.src]], ...(seq.te === null ? [] : [["teacher", escapeHtml(seq.te)]])];
     const text = seq.t ? `<code>${escapeHtml(JSON.stringify(seq.t[i]))}</code>` : `token ${i}`;
     tip.innerHTML = text + "<table>" + rows.map(([k, v]) => `<tr><td>${k}</td><td>${v}</td></tr>`).join("") + "</table>";
     tip.hidden = false;
