@@ -71,7 +71,9 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
     batch = trainer._generate_and_score_completions(rows)
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
     for row, ids in zip(rows, batch["teacher_prompt_ids"]):
-        expected = trainer._tokenizer(template.format(prompt=row["prompt"], privileged_context=row["privileged_context"]))
+        expected = trainer._tokenizer(
+            template.format(prompt=row["prompt"], privileged_context=row["privileged_context"])
+        )
         assert ids == expected["input_ids"]
     lengths = {len(ids) for ids in batch["teacher_prompt_ids"]}
     assert len(lengths) >= 3, lengths  # prompts of several lengths in one batch
@@ -230,7 +232,9 @@ def test_peft_base_teacher_is_the_student_with_its_adapter_disabled(tmp_path, ma
     torch.testing.assert_close(teacher, direct, atol=1e-5, rtol=1e-5)  # the base, not the (non-zero) adapter
     # and the adapter is on again for the student
     with torch.no_grad():
-        student = trainer.model(input_ids=ids, attention_mask=mask).logits[:, -batch["completion_ids"].size(1) - 1 : -1]
+        student = trainer.model(input_ids=ids, attention_mask=mask).logits[
+            :, -batch["completion_ids"].size(1) - 1 : -1
+        ]
     assert not torch.allclose(student, logits, atol=1e-3)
 
 
