@@ -98,6 +98,42 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
         torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
 
 
+def test_conversational_prompt_fills_the_template_into_its_last_user_message(tmp_path, math_trained_path, world):
+    """As TRL's SDFT: the system message stays, the last user message becomes the filled template (its text as
+    `{prompt}`), and the whole is formatted with the chat template as the student's prompt is; a conversational
+    privileged context reads as its messages' text."""
+    from datasets import Dataset
+
+    system = {"role": "system", "content": "Solve it."}
+    problems = world.math("train", n=4)
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [system, {"role": "user", "content": row["question"]}],
+                "privileged_context": [{"role": "assistant", "content": row["answer"]}],
+            }
+            for row in problems
+        ]
+    )
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), args=opd_config(tmp_path), train_dataset=data, state_logging=False
+    )
+    rows = [dict(row) for row in data for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    tokenizer = trainer._tokenizer
+    for row, problem, teacher_ids, ids, mask in zip(
+        rows, [p for p in problems for _ in range(2)], batch["teacher_prompt_ids"], batch["prompt_ids"],
+        batch["prompt_mask"],
+    ):  # fmt: skip
+        filled = f"{problem['question']}\n\n{problem['answer']}"
+        chat = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
+        expected = tokenizer.apply_chat_template([system, {"role": "user", "content": filled}], **chat)["input_ids"]
+        assert teacher_ids == list(expected)
+        assert ids[mask.bool()].tolist() == list(tokenizer.apply_chat_template(row["prompt"], **chat)["input_ids"])
+    assert trainer.compute_loss(trainer.model, batch).isfinite()
+
+
 def test_continuation_teacher_continues_the_prefix_after_its_own_prompt(tmp_path, math_trained_path, math_dataset):
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
