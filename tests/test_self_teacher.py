@@ -159,6 +159,21 @@ def test_continuation_teacher_continues_the_prefix_after_its_own_prompt(tmp_path
         assert teacher_prompt[: len(student_prompt)] == student_prompt and len(teacher_prompt) > len(student_prompt)
 
 
+def test_base_copy_runs_its_own_weights_when_it_generates(tmp_path, math_trained_path, math_dataset):
+    """The copy's `forward` (what `generate` calls) is its own: GRPO's fused LM head on the student is a closure over
+    the student's forward, which a plain deep copy would keep calling."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), args=opd_config(tmp_path), train_dataset=with_context(math_dataset)
+    )
+    with torch.no_grad():
+        for param in trainer.model.parameters():  # the student moves on; the base teacher must not
+            param.add_(torch.randn_like(param))
+    ids = torch.tensor([trainer._tokenizer(math_dataset["prompt"][0])["input_ids"]])
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.teacher.model(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
 # ----- the lens: the ledger says what the teacher saw ---------------------------------------------------------------
 def test_ledger_records_the_teacher_prompt_and_its_extra_context(tmp_path, math_trained_path, math_dataset):
     trainer = OnPolicyDistillTrainer(
