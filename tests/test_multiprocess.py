@@ -140,10 +140,11 @@ def test_another_runs_ledger_is_refused_on_every_rank(tmp_path, student_path):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_zero3_live_self_teacher_trains_every_signal_and_a_copy_is_refused(tmp_path, student_path):
+def test_zero3_self_teachers_without_a_copy_train_and_a_copy_is_refused(tmp_path, student_path):
     """A live self teacher under ZeRO-3 is the partitioned student (scoring through its parameter hooks, generating
     through its engine, a second forward inside its own for divergence): two steps per signal with teacher states in
-    the mix, the same on both ranks; an EMA self teacher, a copy of the partitioned student, is refused clearly."""
+    the mix, the same on both ranks; a LoRA student's base teacher (adapter disabled, no copy) with divergence; an EMA
+    self teacher, a copy of the partitioned student, is refused clearly."""
     accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
     command = [
@@ -164,7 +165,7 @@ def test_zero3_live_self_teacher_trains_every_signal_and_a_copy_is_refused(tmp_p
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert ranks[0] == ranks[1]  # metrics are gathered: both ranks log the same
     assert (ranks[0]["world_size"], ranks[0]["zero_stage"]) == (2, 3)
-    for signal_name in ("reverse_kl", "divergence", "continuation"):
+    for signal_name in ("reverse_kl", "divergence", "continuation", "lora_base"):
         run = ranks[0][signal_name]
         assert run["global_step"] == 2 and len(run["teacher_kl"]) == 2
         assert run["teacher_kl"][0] != 0.0  # the privileged context changes what the teacher predicts

@@ -6,7 +6,8 @@ Usage: accelerate launch --config_file zero3.yaml --num_processes 2 opd_zero3_se
 A live teacher is the student's own (partitioned) module: it scores through the student's ZeRO-3 parameter hooks,
 generates through the student's engine (gathered, as GRPO's own generation), and in the divergence loss runs a
 second forward of the student module inside the student's own. Two steps per signal, with `teacher` states in the
-mix; then an `ema` self teacher, which needs a copy of the partitioned student, is refused. Each rank writes
+mix; a LoRA student's `base` teacher (its adapter disabled) with divergence; then an `ema` self teacher, which
+needs a copy of the partitioned student, is refused. Each rank writes
 `OUTPUT_DIR/rank<i>.json` with what ran.
 """
 
@@ -57,6 +58,16 @@ for signal in ("reverse_kl", "divergence", "continuation"):
     trainer.train()
     kl = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
     report[signal] = {"global_step": trainer.state.global_step, "teacher_kl": kl}
+# A LoRA student's "base" teacher: the same partitioned module with its adapter disabled, no copy
+from peft import LoraConfig  # noqa: E402
+
+lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+trainer = OnPolicyDistillTrainer(
+    model=model_path, args=config("divergence", "base"), train_dataset=dataset, peft_config=lora, state_logging=False
+)
+trainer.train()
+kl = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
+report["lora_base"] = {"global_step": trainer.state.global_step, "teacher_kl": kl}
 plugin = trainer.accelerator.state.deepspeed_plugin
 report["zero_stage"] = None if plugin is None else plugin.zero_stage
 report["world_size"] = trainer.accelerator.num_processes
