@@ -4,7 +4,7 @@ accelerate launch recipes/opd.py                                        # the la
 accelerate launch recipes/opd.py --config recipes/configs/study/opd_from_stress_sft.yaml
 accelerate launch recipes/opd.py --baseline stock                       # TRL's DistillationTrainer, same run
 accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000   # the teacher on a vLLM server
-accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000 --baseline stock  # ServerDistillationTrainer
+accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000 --baseline stock  # TRL server trainer
 accelerate launch recipes/opd.py --teacher_model_name_or_path math=lab-teacher,kb=http://HOST:8000  # two teachers
 """
 

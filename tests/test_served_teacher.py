@@ -685,6 +685,16 @@ def test_stock_arm_refuses_a_server_capping_log_probs_below_its_top_k_at_start_u
             )
 
 
+def test_stock_arm_refuses_several_teachers(tmp_path, monkeypatch, student_path):
+    """TRL's only multi-teacher trainer needs a vLLM server for the student with weight-update endpoints (README)."""
+    from test_recipes import run_in_process
+
+    argv = ["--model_name_or_path", str(student_path), "--baseline", "stock", "--output_dir", str(tmp_path),
+            "--teacher_model_name_or_path", "a=http://127.0.0.1:1,b=http://127.0.0.1:2"]  # fmt: skip
+    with pytest.raises(ValueError, match="several teachers have no stock counterpart here"):
+        run_in_process("opd", argv, monkeypatch)
+
+
 @pytest.mark.slow
 def test_recipe_stock_arm_runs_server_distillation_with_our_loss_at_beta_0(
     tmp_path, monkeypatch, student_path, math_trained_path
