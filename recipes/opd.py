@@ -4,11 +4,13 @@ accelerate launch recipes/opd.py                                        # the la
 accelerate launch recipes/opd.py --config recipes/configs/study/opd_from_stress_sft.yaml
 accelerate launch recipes/opd.py --baseline stock                       # TRL's DistillationTrainer, same run
 accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000   # the teacher on a vLLM server
+accelerate launch recipes/opd.py --teacher_model_server_url http://HOST:8000 --baseline stock  # TRL server trainer
 accelerate launch recipes/opd.py --teacher_model_name_or_path math=lab-teacher,kb=http://HOST:8000  # two teachers
 """
 
 import json
 import sys
+import warnings
 from dataclasses import dataclass
 
 from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
@@ -24,7 +26,8 @@ from trl_statelens.runs import (
     state_logging_callback,
     with_default_config,
 )
-from trl_statelens.teachers import load_teacher
+from trl_statelens.served_teacher import client_without_local_vllm
+from trl_statelens.teachers import connect_served_teacher, load_teacher
 
 
 @dataclass
@@ -55,26 +58,63 @@ def named_teachers(value: str, lab_seed: int) -> dict[str, str] | None:
     }
 
 
+def stock_served_trainer(model_path, teacher_path, training_args, dataset, model_args, callback):
+    """TRL's experimental `ServerDistillationTrainer` on the same data, server and settings: always on-policy, the
+    generalised JSD with beta = jsd_beta on the teacher's top-k plus a tail (`to_server_distillation_config`)."""
+    from trl.experimental.server_distillation import ServerDistillationTrainer
+
+    stock_args = training_args.to_server_distillation_config()
+    if stock_args.beta > 0:  # run what TRL offers for this beta (its only support) and say how it differs from ours
+        warnings.warn(
+            f"--baseline stock with a served teacher and jsd_beta={stock_args.beta}: TRL's ServerDistillationTrainer "
+            "takes only loss_top_k=1 with beta > 0, so its loss is the divergence on the teacher's top-1 token, the "
+            f"sampled token and a tail bucket, not on the teacher's top {training_args.teacher_top_k} tokens plus a "
+            "tail as our `divergence`. With jsd_beta=0 both arms compute the same loss (top-k forward KL plus tail).",
+            stacklevel=2,
+        )
+    with client_without_local_vllm():  # TRL's client refuses to start without vLLM, which HTTP requests do not use
+        trainer = ServerDistillationTrainer(
+            model=model_path,
+            args=stock_args,
+            train_dataset=dataset.select_columns(["prompt"]),
+            peft_config=get_peft_config(model_args),
+            callbacks=[callback],
+        )
+    # TRL's trainer checks the server at its first step at the earliest (and never the vocabulary): check it as our
+    # served arm does, before the recipe's evaluation and any training work
+    connect_served_teacher(
+        stock_args.teacher_model_server_url,
+        trainer.model,
+        trainer.processing_class,
+        teacher_path,
+        training_args,
+        stock_args.loss_top_k,
+    )
+    return trainer
+
+
 def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
     if teachers is not None:
         if args.baseline == "stock":
-            raise ValueError("--baseline stock runs TRL's DistillationTrainer, which takes one teacher here")
+            raise ValueError(
+                "--baseline stock runs TRL's DistillationTrainer (one in-process teacher) or, with "
+                "--teacher_model_server_url, its ServerDistillationTrainer (one served teacher): several teachers have "
+                "no stock counterpart here (README, 'Compare with stock TRL'). Give one teacher"
+            )
         teacher_path = args.teacher_model_name_or_path  # recorded in results.json
     elif training_args.teacher_model_server_url is None:
         teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
-    elif args.baseline == "stock":
-        raise ValueError(
-            "--baseline stock loads TRL's DistillationTrainer teacher in-process: drop --teacher_model_server_url"
-        )
     else:  # the served teacher's weights are not loaded here; a lab name has the student's tokenizer anyway
         teacher_path = (
             None if args.teacher_model_name_or_path in (LAB, LAB_TEACHER) else args.teacher_model_name_or_path
         )
     dataset = load_train_data(args, training_args.seed)
     callback = state_logging_callback(args)
-    if args.baseline == "stock":  # always on-policy, full-vocabulary JSD with beta = jsd_beta
+    if args.baseline == "stock" and training_args.teacher_model_server_url is not None:
+        trainer = stock_served_trainer(model_path, teacher_path, training_args, dataset, model_args, callback)
+    elif args.baseline == "stock":  # always on-policy, full-vocabulary JSD with beta = jsd_beta
         stock_args = training_args.to_distillation_config()
         stock_args.teacher_model_init_kwargs = (
             None  # used by load_teacher: the same teacher as our arm (LoRA folders too)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_settings import CPU
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import ModelConfig
 from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
@@ -632,6 +634,105 @@ def test_recipe_with_a_served_teacher_writes_the_in_process_ledger(
         name: [s["teacher_kl"] for s in read_jsonl(tmp_path / name / "statelens" / "steps.jsonl")] for name in teachers
     }
     assert len(kl["served"]) == 2 and kl["served"] == pytest.approx(kl["local"], rel=1e-4, abs=1e-6)
+
+
+# ----- the recipe's stock arm with a served teacher: TRL's ServerDistillationTrainer -----------------------------------
+@pytest.mark.parametrize("jsd_beta, loss_top_k", [(0.0, 8), (0.5, 1), (1.0, 1)])
+def test_stock_server_config_copies_the_run_with_the_support_trl_allows(tmp_path, jsd_beta, loss_top_k):
+    from trl.experimental.server_distillation import ServerDistillationConfig
+
+    ours = opd_config(tmp_path, teacher_model_server_url="http://127.0.0.1:8000", signal="divergence",
+                      jsd_beta=jsd_beta, teacher_top_k=8, max_steps=7, seed=5, vllm_server_port=8123)  # fmt: skip
+    stock = ours.to_server_distillation_config()
+    assert isinstance(stock, ServerDistillationConfig)
+    assert (stock.beta, stock.loss_top_k, stock.loss_add_tail) == (jsd_beta, loss_top_k, True)
+    for name in ("teacher_model_server_url", "learning_rate", "max_steps", "per_device_train_batch_size",
+                 "max_completion_length", "temperature", "seed", "vllm_server_port"):  # fmt: skip
+        assert getattr(stock, name) == getattr(ours, name), name
+
+
+def test_stock_arm_with_beta_above_zero_runs_trl_top_1_and_says_so(
+    tmp_path, teacher_server, student_path, math_dataset
+):
+    from test_recipes import RECIPES
+
+    recipe = runpy.run_path(str(RECIPES / "opd.py"))  # the recipe's functions, without running main
+    args = opd_config(tmp_path, teacher_model_server_url=teacher_server.url, signal="divergence", teacher_top_k=8)
+    before = teacher_server.requests
+    with pytest.warns(UserWarning, match="only loss_top_k=1 with beta > 0.*not on the teacher's top 8 tokens"):
+        trainer = recipe["stock_served_trainer"](
+            str(student_path), None, args, math_dataset, ModelConfig(), TrainerCallback()
+        )
+    assert type(trainer).__name__ == "ServerDistillationTrainer"
+    assert (trainer.beta, trainer.loss_top_k) == (1.0, 1)
+    assert teacher_server.requests == before + 1  # our start-up probe of the server, before any training work
+
+
+def test_stock_arm_refuses_a_server_capping_log_probs_below_its_top_k_at_start_up(
+    tmp_path, teacher_path, student_path, math_dataset
+):
+    """TRL's trainer would first ask at its first step; the recipe checks the server as our served arm does."""
+    from test_recipes import RECIPES
+
+    recipe = runpy.run_path(str(RECIPES / "opd.py"))
+    with TestTeacherServer(teacher_path, max_logprobs=20) as server:  # vLLM's default cap
+        args = opd_config(
+            tmp_path, teacher_model_server_url=server.url, signal="divergence", jsd_beta=0.0, teacher_top_k=32
+        )
+        with pytest.raises(TeacherServerError, match=r"refuses 32 log-probs.*--max-logprobs 32"):
+            recipe["stock_served_trainer"](
+                str(student_path), None, args, math_dataset, ModelConfig(), TrainerCallback()
+            )
+
+
+def test_stock_arm_refuses_several_teachers(tmp_path, monkeypatch, student_path):
+    """TRL's only multi-teacher trainer needs a vLLM server for the student with weight-update endpoints (README)."""
+    from test_recipes import run_in_process
+
+    argv = ["--model_name_or_path", str(student_path), "--baseline", "stock", "--output_dir", str(tmp_path),
+            "--teacher_model_name_or_path", "a=http://127.0.0.1:1,b=http://127.0.0.1:2"]  # fmt: skip
+    with pytest.raises(ValueError, match="several teachers have no stock counterpart here"):
+        run_in_process("opd", argv, monkeypatch)
+
+
+@pytest.mark.slow
+def test_recipe_stock_arm_runs_server_distillation_with_our_loss_at_beta_0(
+    tmp_path, monkeypatch, student_path, math_trained_path
+):
+    """`--baseline stock` with a served teacher runs TRL's ServerDistillationTrainer, with the callback's drift
+    ledger. At jsd_beta=0 with one rollout per prompt both arms sample the same rollouts (the same seed, sampler
+    and generation) and compute the same loss, the top-8 forward KL plus a tail: equal first-step losses. A
+    math-trained teacher, so that its top 8 hold real mass (a random-init one is near-uniform)."""
+    from test_recipes import RECIPE_FLAGS, run_in_process
+
+    flags = ["--model_name_or_path", str(student_path), "--eval_before", "false", "--eval_tasks", "gsm8k",
+             "--eval_limit", "1", "--eval_max_new_tokens", "4", "--num_probes", "2", "--probe_steps", "1",
+             "--logging_steps", "1", "--max_steps", "2", *RECIPE_FLAGS["opd"], "--num_generations", "1",
+             "--signal", "divergence", "--jsd_beta", "0", "--teacher_top_k", "8"]  # fmt: skip
+    with TestTeacherServer(math_trained_path) as server:
+        url = server.url
+        flags += ["--teacher_model_server_url", url]
+        results = {
+            baseline: run_in_process(
+                "opd", [*flags, "--baseline", baseline, "--output_dir", str(tmp_path / baseline)], monkeypatch
+            )
+            for baseline in ("stock", "statelens")
+        }
+    stock, ours = results["stock"], results["statelens"]
+    assert (stock["trainer"], ours["trainer"]) == ("ServerDistillationTrainer", "OnPolicyDistillTrainer")
+    assert stock["global_steps"] == ours["global_steps"] == 2 and stock["teacher"] == url
+    assert stock["distributed"]["teacher_engine"] is None  # no teacher weights in the training process
+    drift = read_jsonl(tmp_path / "stock" / "statelens" / "drift.jsonl")
+    assert [d["step"] for d in drift] == [1, 2] and stock["final_drift"] == drift[-1]
+    assert not (tmp_path / "stock" / "statelens" / "steps.jsonl").exists()  # per-step states need our trainer
+    logs = {name: json.loads((tmp_path / name / "log_history.json").read_text()) for name in results}
+    logged = {name: {key: [e[key] for e in log if key in e] for key in ("loss", "grad_norm", "num_tokens")}
+              for name, log in logs.items()}  # fmt: skip
+    assert len(logged["stock"]["loss"]) == 2 and logged["stock"]["loss"][0] > 0.05
+    assert logged["stock"]["num_tokens"] == logged["statelens"]["num_tokens"]  # the same rollouts' tokens
+    # the same loss on the same batch, hence the same update and the same second step (measured: equal to float32)
+    for key in ("loss", "grad_norm"):
+        assert logged["stock"][key] == pytest.approx(logged["statelens"][key], rel=1e-5), key
 
 
 @pytest.mark.multiproc

@@ -374,6 +374,24 @@ class OnPolicyDistillConfig(GRPOConfig):
         TRL's trainer draws one rollout per prompt, so `per_device_train_batch_size` (rollouts per device) keeps the
         number of supervised rollouts per step equal.
         """
-        stock_fields = {f.name for f in dataclasses.fields(DistillationConfig) if f.init}
+        return self._stock_config(DistillationConfig, beta=self.jsd_beta)
+
+    def to_server_distillation_config(self):
+        """The same run for TRL's experimental `ServerDistillationTrainer` (a teacher on a vLLM server): every shared
+        field copied (`teacher_model_server_url` included), `beta` = `jsd_beta`, and the top-k support its config
+        allows. With `jsd_beta=0` that is `loss_top_k` = `teacher_top_k` with the tail bucket (`loss_add_tail=True`),
+        the same k+1 categories as our `divergence`. With `jsd_beta > 0` TRL only takes `loss_top_k=1`: its loss
+        is then the divergence on the teacher's top-1 token, the sampled token and a tail, not ours on the teacher's
+        top-k (README, "Compare with stock TRL").
+        """
+        from trl.experimental.server_distillation import ServerDistillationConfig
+
+        loss_top_k = self.teacher_top_k if self.jsd_beta == 0 else 1
+        return self._stock_config(
+            ServerDistillationConfig, beta=self.jsd_beta, loss_top_k=loss_top_k, loss_add_tail=True
+        )
+
+    def _stock_config(self, config_class, **fields):
+        stock_fields = {f.name for f in dataclasses.fields(config_class) if f.init}
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in stock_fields}
-        return DistillationConfig(**{**shared, "beta": self.jsd_beta})
+        return config_class(**{**shared, **fields})

@@ -39,7 +39,7 @@ class TeacherServerError(RuntimeError):
 
 
 @contextmanager
-def _client_without_local_vllm():
+def client_without_local_vllm():
     """TRL's `VLLMClient` refuses to start unless vLLM is importable, though its module-level vLLM imports only serve
     weight synchronisation (NCCL), which a teacher client never uses. A training machine that only talks HTTP to the
     teacher need not install vLLM."""
@@ -177,7 +177,7 @@ class ServedTeacher:
         self.retries = 0  # requests repeated after a transient failure, over this object's life
         self._wait_until_healthy(timeout)
         try:
-            with _client_without_local_vllm():
+            with client_without_local_vllm():
                 self.client = VLLMClient(base_url=self.base_url, connection_timeout=timeout)
         except Exception as error:  # TRL's client raises bare `Exception`s, or a KeyError/IndexError on an odd answer
             raise TeacherServerError(

@@ -536,31 +536,12 @@ class RemoteTeacher(Teacher):
 
     @classmethod
     def connect(cls, trainer, path: str | None = None, url: str | None = None) -> RemoteTeacher:
-        """The teacher at `url` (default: `trainer.args.teacher_model_server_url`), checked now: reachable, serving a model with the
-        student's vocabulary (and, when `path` names the teacher, the student's tokenizer), and, with `divergence`,
-        answering `teacher_top_k` log-probs per position."""
-        from .served_teacher import ServedTeacher
-
+        """The teacher at `url` (default: `trainer.args.teacher_model_server_url`), checked now by
+        [`connect_served_teacher`]; with `divergence` it must answer `teacher_top_k` log-probs per position."""
         args = trainer.args
-        teacher_tokenizer = _read_tokenizer(path)  # without one, the served vocabulary size is checked all the same
-        student_vocab = _vocab_size(trainer.model)
         top_k = args.teacher_top_k if args.signal == "divergence" else 0
-        if top_k > student_vocab:
-            raise ValueError(
-                f"teacher_top_k={top_k} is more than the student's vocabulary ({student_vocab} ids): set it to at most "
-                f"{student_vocab} (that many is the exact divergence)"
-            )
-        server = ServedTeacher(
-            url or args.teacher_model_server_url,
-            trainer._tokenizer,
-            student_vocab,
-            teacher_tokenizer=teacher_tokenizer,
-            timeout=args.teacher_server_timeout,
-            max_retries=args.teacher_server_max_retries,
-            retry_backoff=args.teacher_server_retry_backoff,
-            chunk_size=args.teacher_server_chunk_size,
-            top_k=top_k,
-        )
+        url = url or args.teacher_model_server_url
+        server = connect_served_teacher(url, trainer.model, trainer._tokenizer, path, args, top_k)
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         sampling = {name: getattr(trainer, name) for name in names}
         return cls(
@@ -786,6 +767,33 @@ def without_zero3_init():
         yield
     finally:
         deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def connect_served_teacher(url: str, student, student_tokenizer, path: str | None, args, top_k: int):
+    """A [`ServedTeacher`] at `url`, checked before any training work: reachable, serving a model with the student's
+    vocabulary (and, when `path` names the teacher, the student's tokenizer), answering `top_k` log-probs per
+    position. `args` (an [`OnPolicyDistillConfig`]) gives the `teacher_server_*` settings. The recipes' stock arm
+    checks its server here too, since TRL's `ServerDistillationTrainer` checks none of this."""
+    from .served_teacher import ServedTeacher
+
+    teacher_tokenizer = _read_tokenizer(path)  # without one, the served vocabulary size is checked all the same
+    student_vocab = _vocab_size(student)
+    if top_k > student_vocab:
+        raise ValueError(
+            f"teacher_top_k={top_k} is more than the student's vocabulary ({student_vocab} ids): set it to at most "
+            f"{student_vocab} (that many is the exact divergence)"
+        )
+    return ServedTeacher(
+        url,
+        student_tokenizer,
+        student_vocab,
+        teacher_tokenizer=teacher_tokenizer,
+        timeout=args.teacher_server_timeout,
+        max_retries=args.teacher_server_max_retries,
+        retry_backoff=args.teacher_server_retry_backoff,
+        chunk_size=args.teacher_server_chunk_size,
+        top_k=top_k,
+    )
 
 
 def _read_tokenizer(path: str | None):
