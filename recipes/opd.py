@@ -55,7 +55,8 @@ def named_teachers(value: str, lab_seed: int) -> dict[str, str] | None:
     }
 
 
-def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
+def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None):
+    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/two_teachers.py's mixed prompts)."""
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
     if teachers is not None:
@@ -72,7 +73,8 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
         teacher_path = (
             None if args.teacher_model_name_or_path in (LAB, LAB_TEACHER) else args.teacher_model_name_or_path
         )
-    dataset = load_train_data(args, training_args.seed)
+    if dataset is None:
+        dataset = load_train_data(args, training_args.seed)
     callback = state_logging_callback(args)
     if args.baseline == "stock":  # always on-policy, full-vocabulary JSD with beta = jsd_beta
         stock_args = training_args.to_distillation_config()
