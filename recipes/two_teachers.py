@@ -21,14 +21,17 @@ truthfulqa (truth test), and `kb_dev` (the routed kb prompts' own questions: wha
 `seed<s>/report/`, `summary.json` and `summary.md` (scores over seeds, paired differences with 95% bootstrap intervals
 over test items (recipes/study_lab.py's), and the per-task teacher metrics from each run's logs and ledger).
 
-Time (estimated from a 5-step timing, 2026-12-01 at load average 4 on the 2 cores, so on the high side): a 32-prompt
-step of the mix takes about 4.5 s at one thread; 30 steps per run, 3 arms x 2 seeds as 2 jobs at once, plus the
-evaluations (about 20 s each) and the kb teacher (20 s): about 10 minutes.
+Time, estimated from a 5-step timing of the `two_teachers` arm (2026-12-01, one torch thread): 10.5 s a step of 32
+prompts at load average 5 on the 2 cores (other sessions' jobs), about 6 s on a quiet machine (0.22 s a rollout,
+recipes/forgetting_study.py's divergence figure; kb rows are a few tokens). Per run add about 45 s (start, the
+evaluation after, report, probe). 6 runs of 20 steps and 3 evaluations, 2 at once, the kb teacher (20 s) and the
+summary (30 s): about 10 minutes on a quiet machine, about 17 at load 5.
 """
 
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +55,7 @@ COMPARISONS = [
 ]
 KB_SHARE = 0.25  # of the prompts; the kb `dev` split has 90 questions, repeated as needed
 KB_TEACHER = dict(steps=20, batch_size=16, lr=5e-4)  # about 3.5 epochs over the 90 kb dev answers
-STEPS = 30
+STEPS = 20
 LAST_STEPS = 5  # teacher_kl "last": mean of the last this many steps
 
 
@@ -230,6 +233,7 @@ def main():
                           "--output_dir", str(out / f"seed{seed}" / arm)], out / f"seed{seed}" / arm))  # fmt: skip
     jobs = [(command, folder) for command, folder in jobs if not (folder / "results.json").exists()]
     for _, folder in jobs:
+        shutil.rmtree(folder / "statelens", ignore_errors=True)  # an unfinished run starts over
         folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(options.jobs) as pool:  # a failed run exits here (study_lab's `run`)
         list(pool.map(lambda job: run(job[0], job[1] / "log.txt"), jobs))
