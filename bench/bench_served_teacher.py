@@ -22,7 +22,7 @@ two test servers of the same teacher, against all of them sent to one server (`t
 teacher behind both, so their `teacher_kl` must be equal; the ratio prices the router (a request per teacher per step,
 the answers put back in row order). Both servers share the 2 cores with the trainer here.
 
-    .venv/bin/python bench/bench_served_teacher.py --multi [--repeats 3] [--steps 4]   # about 3 minutes
+    .venv/bin/python bench/bench_served_teacher.py --multi [--repeats 3] [--steps 4]   # 3-4 minutes
     .venv/bin/python bench/bench_served_teacher.py --multi --smoke --out /tmp/r   # tiny models, 1 repeat (the test)
 """
 

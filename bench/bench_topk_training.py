@@ -12,11 +12,12 @@ steps. The exact arm scores with the teacher in the training process; each k arm
   `--kl_prompts` lab math dev problems (one rollout each, a fixed seed), and the target: greedy accuracy on the lab
   math dev split (`--dev` problems).
 
-    .venv/bin/python bench/bench_topk_training.py [--steps 16] [--batch 16] [--ks 1 8 32 128]
+    .venv/bin/python bench/bench_topk_training.py [--steps 24] [--batch 16] [--ks 1 8 32 128]
     .venv/bin/python bench/bench_topk_training.py --smoke --student S --teacher T --ks 2 1024 --out /tmp/r  # the test
 
-Time (estimated from a 5-step timing of the exact arm, 2026-12-01, at load average 4 on the 2 cores, so on the high
-side): about 5 s a step of 16 prompts, 16 steps, and about 15 s of evaluation per run: 5 runs, about 8 minutes.
+Time, from a 3-step timing of the exact and k = 128 arms (2026-12-01, load average 2-4 on the 2 cores): a step of 16
+prompts took 2.1 s in-process and 5.0 s served at k = 128 (the server's JSON grows with k; k <= 32 estimated at
+2.8 s), and each run's start and evaluations 18 s: 24 steps, 5 runs, about 8 minutes.
 """
 
 import argparse
@@ -31,6 +32,7 @@ from bench_topk_divergence import exact_jsd, position_log_probs, rollouts
 from common import CPU_ARGS, RESULTS_DIR, run_forked, say, scratch_dir, write_results
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.trainer_callback import PrinterCallback
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.data import load_gsm8k
@@ -63,6 +65,7 @@ def run_arm(k, student, teacher, url, options) -> dict:
         ),
         train_dataset=Dataset.from_dict({"prompt": prompts}),
     )
+    trainer.remove_callback(PrinterCallback)  # the per-step log lines would flood the table
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started
@@ -115,7 +118,7 @@ def main(options) -> dict:
 if __name__ == "__main__":
     torch.manual_seed(0)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch", type=int, default=16, help="prompts (one rollout each) a step")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--max_completion_length", type=int, default=96)
