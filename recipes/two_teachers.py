@@ -30,6 +30,7 @@ summary (30 s): about 10 minutes on a quiet machine, about 17 at load 5.
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -151,8 +152,10 @@ def summarize(out: Path, seeds: list[int], lab_seed: int) -> dict:
         after = json.loads((run_dir / "results.json").read_text())["after"]["scores"]
         return {**{task: after[task] for task in SCORES}, "kb_dev": kb_dev_accuracy(model_of(run_dir), lab_seed)}
 
-    table = {name: {k: {"mean": v, "sd": 0.0, "values": [v]} for k, v in scores(out / name).items()}
-             for name in ("base", "teacher_math", "teacher_kb")}  # fmt: skip
+    table = {
+        name: {k: spread([v]) for k, v in scores(out / name).items()}
+        for name in ("base", "teacher_math", "teacher_kb")
+    }
     routes = {}
     for arm in ARMS:
         per_seed = [scores(out / f"seed{seed}" / arm) for seed in seeds]
@@ -204,6 +207,7 @@ def main():
     parser.add_argument("--lab_seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="two tiny steps per run, 3 items per task (the test)")
     options = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # every run one torch thread: `--jobs` of them share the cores
     from trl_statelens.lab import lab_dir
     from trl_statelens.runs import LAB, resolve_model
 
