@@ -123,8 +123,8 @@ def kb_dev_accuracy(model_path: str, lab_seed: int) -> float:
 
 
 def route_metrics(run_dir: Path) -> dict:
-    """Per route: `teacher_kl` at the first step and over the last `LAST_STEPS` (the trainer's logs, one entry a
-    step), supervised tokens in all (the logs), and the ledger's supervised tokens in all (`steps.jsonl`, every
+    """Per route: `teacher_kl` at the first step with rows of it and over the last `LAST_STEPS` such steps (the
+    trainer's logs, one entry a step), supervised tokens in all (the logs), and the ledger's supervised tokens in all (`steps.jsonl`, every
     route) and sampled sequences per route (`states.jsonl`)."""
     history = json.loads((run_dir / "log_history.json").read_text())
     ledger = run_dir / "statelens"
@@ -181,8 +181,8 @@ def markdown(summary: dict, comparisons: list[dict], seeds: list[int]) -> str:
              "| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]  # fmt: skip
     for name, row in summary["scores"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[c]['mean']:.3f} ± {row[c]['sd']:.3f}" for c in columns) + " |")
-    lines += ["", "Per task (route) from each run's logs and ledger, mean over seeds: teacher_kl at the first step and "
-              f"over the last {LAST_STEPS}, supervised tokens, ledger sequences sampled.", "",
+    lines += ["", "Per task (route) from each run's logs and ledger, mean over seeds: teacher_kl at the route's first "
+              f"step and over its last {LAST_STEPS}, supervised tokens, ledger sequences sampled.", "",
               "| arm | route | teacher | teacher_kl first | teacher_kl last | supervised tokens | ledger sequences |",
               "|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, per_seed in summary["routes"].items():
