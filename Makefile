@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study clean
+.PHONY: install test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study two-teachers clean
 
 install: $(STAMP)
 
@@ -87,6 +87,11 @@ study-lab-quick: $(STAMP)
 # "Forecasting forgetting from states"); skips runs whose results.json exists. `--dry_run` prints the grid and its cost.
 forgetting-study: $(STAMP)
 	$(BIN)/python recipes/forgetting_study.py --jobs 2 --out runs/forgetting-study
+
+# Issue 27: two teachers (lab math, kb) routed by task against each alone, 2 seeds, 2 runs at once (about 10 minutes;
+# recipes/two_teachers.py says what it runs). Skips runs whose results.json exists.
+two-teachers: $(STAMP)
+	$(BIN)/python recipes/two_teachers.py --seeds 0 1 --jobs 2 --out runs/two-teachers
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

@@ -13,7 +13,7 @@ teacher scores every completion position in-process, and for each k and `jsd_bet
 
 The teacher's top-k is taken from its full log-softmax here, which is what the served path receives (the test server's
 top-k answer equals the in-process teacher's, tests/test_served_teacher.py); the exact loss uses the same formula over
-all V categories (k = V gives it, tested). No training runs per k.
+all V categories (k = V gives it, tested). A training run per k: `bench/bench_topk_training.py`.
 
     .venv/bin/python bench/bench_topk_divergence.py [--prompts 32] [--ks 1 8 32 128] [--betas 1.0 0.5]
 """

@@ -93,7 +93,8 @@ def stock_served_trainer(model_path, teacher_path, training_args, dataset, model
     return trainer
 
 
-def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
+def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None):
+    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/two_teachers.py's mixed prompts)."""
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
     if teachers is not None:
@@ -110,7 +111,8 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
         teacher_path = (
             None if args.teacher_model_name_or_path in (LAB, LAB_TEACHER) else args.teacher_model_name_or_path
         )
-    dataset = load_train_data(args, training_args.seed)
+    if dataset is None:
+        dataset = load_train_data(args, training_args.seed)
     callback = state_logging_callback(args)
     if args.baseline == "stock" and training_args.teacher_model_server_url is not None:
         trainer = stock_served_trainer(model_path, teacher_path, training_args, dataset, model_args, callback)

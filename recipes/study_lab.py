@@ -182,15 +182,17 @@ def run_item_scores(run_dir: Path) -> dict[str, dict[str, float]]:
     return {task: item_scores(items, task, ITEM_SCORE[task]) for task in SCORES}
 
 
-def compare_runs(out: Path, seeds: list[int]) -> list[dict]:
-    """For each of ``COMPARISONS`` and task: the run minus its reference, per seed (paired on the same seed; the base
-    is shared), and a 95% bootstrap interval of the seed-mean difference, resampling test problems (the same
-    problems for every seed, so the interval covers which problems the test happens to hold, not seed noise)."""
+def compare_runs(out: Path, seeds: list[int], comparisons: list[tuple] | None = None) -> list[dict]:
+    """For each of ``comparisons`` (`(label, run, reference)`, default ``COMPARISONS``) and task: the run minus its
+    reference, per seed (paired on the same seed; the base is shared), and a 95% bootstrap interval of the seed-mean
+    difference, resampling test problems (the same problems for every seed, so the interval covers which problems the
+    test happens to hold, not seed noise)."""
+    comparisons = COMPARISONS if comparisons is None else comparisons
     base = run_item_scores(out / "base")
-    names = {name for _, run, reference in COMPARISONS for name in (run, reference) if name != "base"}
+    names = {name for _, run, reference in comparisons for name in (run, reference) if name != "base"}
     scores = {(name, seed): run_item_scores(out / f"seed{seed}" / name) for name in names for seed in seeds}
     results = []
-    for label, run, reference in COMPARISONS:
+    for label, run, reference in comparisons:
         for task in SCORES:
             questions = sorted(base[task])
             differences = []  # seeds x questions

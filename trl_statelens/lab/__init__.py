@@ -12,6 +12,7 @@ _EXPORTS = {
     "build_lab": "build",
     "build_teacher": "build",
     "evaluate_base": "build",
+    "fine_tune_on_answers": "build",
     "pretrain": "build",
     "score_math": "build",
     "score_multiple_choice": "build",

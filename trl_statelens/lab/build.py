@@ -281,6 +281,38 @@ def build_lab(seed: int = 0, size: str = "lab", force: bool = False, log=_say, *
     return root
 
 
+def fine_tune_on_answers(
+    model,
+    tokenizer,
+    rows: list[dict],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    desc: str = "fine-tuning",
+) -> None:
+    """Supervised fine-tuning in place on ``{"question", "answer"}`` rows in the plain format, the answer tokens only
+    (as SFT on prompt-completion data), ``batch_size`` rows a step in order: ``rows`` holds ``steps * batch_size``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    torch.manual_seed(seed)
+    model.train()
+    for step in tqdm(range(steps), desc=desc, unit="step"):
+        batch = rows[step * batch_size : (step + 1) * batch_size]
+        prompts = [format_plain(r["question"]) for r in batch]
+        enc = tokenizer(
+            [format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in batch],
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+        )
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        for i, prompt in enumerate(prompts):  # supervise the answer only, as SFT on prompt-completion data does
+            labels[i, : len(tokenizer(prompt)["input_ids"])] = -100
+        model(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def build_teacher(
     seed: int = 0, steps: int = 300, batch_size: int = 16, lr: float = 5e-4, force: bool = False, log=_say
 ) -> Path:
@@ -298,24 +330,7 @@ def build_teacher(
     tokenizer = AutoTokenizer.from_pretrained(root / "base")
     model = AutoModelForCausalLM.from_pretrained(root / "base", use_safetensors=True)
     rows = world.math("train", n=steps * batch_size, seed=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    torch.manual_seed(seed)
-    model.train()
-    for step in tqdm(range(steps), desc="fine-tuning lab teacher on math", unit="step"):
-        batch = rows[step * batch_size : (step + 1) * batch_size]
-        prompts = [format_plain(r["question"]) for r in batch]
-        enc = tokenizer(
-            [format_plain(r["question"], r["answer"]) + tokenizer.eos_token for r in batch],
-            return_tensors="pt",
-            padding=True,
-            padding_side="right",
-        )
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        for i, prompt in enumerate(prompts):  # supervise the answer only, as SFT on prompt-completion data does
-            labels[i, : len(tokenizer(prompt)["input_ids"])] = -100
-        model(**enc, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    fine_tune_on_answers(model, tokenizer, rows, steps, batch_size, lr, seed, desc="fine-tuning lab teacher on math")
     model.save_pretrained(root / "teacher")
     tokenizer.save_pretrained(root / "teacher")
     scores = evaluate_base(model, tokenizer, world, split="test")
