@@ -11,6 +11,7 @@ from trl import DistillationConfig, GRPOConfig
 
 SIGNALS = ("reverse_kl", "continuation", "divergence")
 MIX_SOURCES = ("learner", "dataset", "teacher")
+TEACHER_MODEL_KINDS = ("base", "live", "ema")
 
 
 @dataclass
@@ -92,6 +93,34 @@ class OnPolicyDistillConfig(GRPOConfig):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
 
+        > The student as its own teacher (self-distillation with privileged context; TRL's `SDFTConfig` names)
+
+        teacher_model_kind (`str`, *optional*):
+            `None` (the default): the teacher is a separate model, `teacher_model` or a server. Set, the teacher is the
+            student itself reading a privileged prompt (`teacher_prompt_template`), and `teacher_model` must be
+            omitted:
+
+            - `"base"`: the student's weights frozen at the start of training (one copy; a PEFT student's own base
+              with its adapter disabled, no copy);
+            - `"live"`: the current student weights, without gradient (no copy; in the student's own train/eval mode,
+              so with its dropout unless `disable_dropout`);
+            - `"ema"`: an exponential moving average of the student's weights (one copy), started at the student's
+              and updated after every optimizer step with `teacher_update_rate`; saved in each checkpoint and restored
+              on resume.
+
+            The training dataset needs a `privileged_context` column. Every signal and state source works: the teacher
+            scores (`reverse_kl`, `divergence`) or writes (`continuation`, the `teacher` state source) after its own
+            prompt what the student scores after its own.
+        teacher_update_rate (`float`, *optional*, defaults to `0.05`):
+            With `teacher_model_kind="ema"`, the share of the student's weights mixed into the teacher's after every
+            optimizer step: $\theta_T \leftarrow (1 - r)\,\theta_T + r\,\theta_S$. `1.0` makes the teacher the
+            student after each step.
+        teacher_prompt_template (`str`, *optional*, defaults to `"{prompt}\n\n{privileged_context}"`):
+            With a `teacher_model_kind`, the teacher's prompt: `{prompt}` is the row's prompt (for a conversational
+            prompt, the text of its last user message, which the filled template replaces, as TRL's `SDFTTrainer`
+            does) and `{privileged_context}` the row's `privileged_context`. It is tokenised as the student's prompt
+            is (the chat template for conversational prompts).
+
         > Teacher behind a vLLM server
 
         teacher_model_server_url (`str`, *optional*):
@@ -151,6 +180,17 @@ class OnPolicyDistillConfig(GRPOConfig):
     reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
+    )
+    teacher_model_kind: str | None = field(
+        default=None,
+        metadata={"help": f"The student as its own teacher: one of {TEACHER_MODEL_KINDS}; unset: a separate teacher."},
+    )
+    teacher_update_rate: float = field(
+        default=0.05, metadata={"help": 'EMA rate of the teacher with teacher_model_kind="ema".'}
+    )
+    teacher_prompt_template: str = field(
+        default="{prompt}\n\n{privileged_context}",
+        metadata={"help": "The self teacher's prompt, from the row's {prompt} and its {privileged_context}."},
     )
     teacher_model_server_url: str | None = field(
         default=None, metadata={"help": 'Base URL of a vLLM server running the teacher, e.g. "http://localhost:8000".'}
@@ -226,6 +266,7 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "rollouts needs GRPO's clipped importance ratios, which its losses do not have. Set num_iterations=1"
             )
         self._check_grpo_loss_settings()
+        self._check_self_teacher_settings()
         if self.teacher_model_server_url is not None:
             self._check_teacher_server_settings()
         # One rollout per prompt (TRL's DistillationTrainer draws one): GRPO refuses fewer than 2 because its
@@ -288,6 +329,28 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "reverse_kl advantage only; continuation and divergence train on the teacher's tokens or "
                 "distributions, with no sampled-token policy gradient to weight. Use signal='reverse_kl' or leave "
                 "reward_weight=0.0"
+            )
+
+    def _check_self_teacher_settings(self):
+        if self.teacher_model_kind is None:
+            return
+        if self.teacher_model_kind not in TEACHER_MODEL_KINDS:
+            raise ValueError(
+                f"teacher_model_kind={self.teacher_model_kind!r} is not one of {TEACHER_MODEL_KINDS} (or None for a "
+                "separate teacher model)"
+            )
+        if self.teacher_model_server_url is not None:
+            raise ValueError(
+                f"teacher_model_kind={self.teacher_model_kind!r} makes the student its own teacher, but "
+                f"teacher_model_server_url={self.teacher_model_server_url!r} names a served one: set only one"
+            )
+        if not 0.0 < self.teacher_update_rate <= 1.0:
+            raise ValueError(f"teacher_update_rate must be in (0, 1], got {self.teacher_update_rate}")
+        missing = [p for p in ("{prompt}", "{privileged_context}") if p not in self.teacher_prompt_template]
+        if missing:
+            raise ValueError(
+                f"teacher_prompt_template={self.teacher_prompt_template!r} lacks {' and '.join(missing)}: the "
+                "teacher's prompt is built from both the row's prompt and its privileged context"
             )
 
     def _check_teacher_server_settings(self):
