@@ -200,8 +200,8 @@ CONFIG_TYPES = {
 
 def recipe_of(config_path: Path) -> str:
     name = config_path.stem
-    if name.startswith("opd"):
-        return "opd"
+    if name.startswith(("opd", "self_distill")):
+        return name if name == "self_distill" else "opd"
     return "eval" if "eval" in name else ("grpo" if "grpo" in name else "sft")
 
 
@@ -211,8 +211,9 @@ def recipe_of(config_path: Path) -> str:
 def test_every_config_parses_into_its_recipe_types(config):
     recipe = recipe_of(config)
     namespace = runpy.run_path(str(RECIPES / f"{recipe}.py"))
-    script_type = next(v for k, v in namespace.items() if k.endswith("ScriptArguments"))
-    training_type = {"sft": SFTConfig, "grpo": GRPOConfig, "opd": OnPolicyDistillConfig}.get(recipe)
+    script_type = next((v for k, v in namespace.items() if k.endswith("ScriptArguments")), RecipeArguments)
+    training_type = {"sft": SFTConfig, "grpo": GRPOConfig, "opd": OnPolicyDistillConfig,
+                     "self_distill": OnPolicyDistillConfig}.get(recipe)  # fmt: skip
     types = (script_type, training_type, ModelConfig) if training_type else (script_type, ModelConfig)
     raw = yaml.safe_load(config.read_text())
     # GPU configs ask for bf16, which TrainingArguments refuses on a machine without a GPU: parse them as on CPU

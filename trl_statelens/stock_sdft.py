@@ -51,7 +51,8 @@ def to_sdft_config(args: OnPolicyDistillConfig):
     """The same run for TRL's `SDFTTrainer`: every field both configs have copied, the signal as its
     `distillation_mode`, the self teacher's settings under their TRL names. Raises `ValueError` for a setting SDFT
     has no counterpart for (see the module docstring)."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # the stock arm asks for the experimental trainer on purpose
+    # the stock arm asks for the experimental trainer on purpose: no warning about it
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.sdft import SDFTConfig
 
     problems = []
