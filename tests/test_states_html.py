@@ -318,3 +318,35 @@ def test_screenshot_for_the_readme(browser, tmp_path):
     assert browser.run("return document.getElementById('tooltip').hidden") is False
     no_console_errors(browser)
     browser.screenshot(Path(__file__).parents[1] / "docs" / "states_page.png")
+
+
+def _self_teacher_ledger(run_dir: Path) -> None:
+    """A small ledger whose odd sequences' teacher read a prompt of its own (a self teacher's privileged prompt)."""
+    synthetic_ledger(run_dir, num_sequences=4, num_steps=2, tokens=5)
+    ledger = run_dir / "statelens" / "states.jsonl"
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    for index, line in enumerate(lines):
+        if index % 2:
+            line["teacher_prompt"] = line["prompt"] + "\nReference: 3 + 4 = 7"
+            line["teacher_context_len"] = 9
+    ledger.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_page_embeds_what_a_self_teacher_saw(tmp_path):
+    _self_teacher_ledger(tmp_path / "run")
+    entries = page_data([load_run(tmp_path / "run")])["sequences"]
+    assert [(entry["tp"], entry["tc"]) for entry in entries[::2]] == [(None, None)] * 2
+    for entry in entries[1::2]:
+        assert entry["tp"] == entry["p"] + "\nReference: 3 + 4 = 7" and entry["tc"] == 9
+
+
+@needs_browser
+def test_teacher_prompt_shows_beside_the_students(browser, tmp_path):
+    _self_teacher_ledger(tmp_path / "run")
+    browser.open(write_states_page([load_run(tmp_path / "run")], tmp_path / "states.html"))
+    assert browser.run("return document.querySelectorAll('#sequences .seq').length") == 4
+    assert browser.run("return document.querySelectorAll('#sequences .prompts').length") == 2  # side by side
+    teacher = browser.run("return [...document.querySelectorAll('.teacher-prompt')].map(p => p.innerText)")
+    assert len(teacher) == 2 and all(t.startswith("teacher's prompt (+9 tokens)") and "Reference: 3 + 4 = 7" in t
+                                     for t in teacher)  # fmt: skip
+    no_console_errors(browser)

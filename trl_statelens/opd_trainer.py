@@ -29,7 +29,15 @@ from .heads import (
 )
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
-from .teachers import InProcessTeacher, RemoteTeacher, TeacherRouter, load_teacher, load_teachers, resolve_rows
+from .teachers import (
+    InProcessTeacher,
+    RemoteTeacher,
+    SelfTeacher,
+    TeacherRouter,
+    load_teacher,
+    load_teachers,
+    resolve_rows,
+)
 
 logger = logging.getLogger(__name__)
 SOURCE_RNG_FILE = "statelens_source_rng_{rank}.pth"  # in each checkpoint, one per process
@@ -61,10 +69,15 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             `None`, go to the first teacher of the dict. Every signal and state source works per row; the metrics add
             `statelens/teacher_kl/<name>` and `statelens/supervised_tokens/<name>` and the ledger's sequences carry
             their `teacher`.
+
+            The student as its own teacher: omit it and set `args.teacher_model_kind` ([`SelfTeacher`]); the teacher
+            then reads each row's `privileged_context` through `args.teacher_prompt_template`, and the ledger's
+            sequences carry the `teacher_prompt` it read and its `teacher_context_len` (its tokens over the student's
+            prompt). Probe drift measures no teacher disagreement then: the probe prompts have no privileged context.
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
-            when the `dataset` state source is used. Image datasets (an `image` or `images` column, what GRPO reads
+            when the `dataset` state source is used, and `privileged_context` with `args.teacher_model_kind`. Image datasets (an `image` or `images` column, what GRPO reads
             images from) are refused: neither the loss nor the teacher would see the images.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
             `args.reward_weight`.
@@ -101,7 +114,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
                 "importance-sampling correction would see log-probs of tokens the student did not sample"
             )
-        if isinstance(teacher_model, dict):
+        if args.teacher_model_kind is not None:
+            if teacher_model is not None:
+                raise ValueError(
+                    f"teacher_model_kind={args.teacher_model_kind!r} makes the student its own teacher, so "
+                    "teacher_model must be omitted; unset teacher_model_kind to distil from a separate teacher"
+                )
+        elif isinstance(teacher_model, dict):
             if args.teacher_model_server_url is not None:
                 raise ValueError(
                     "teacher_model_server_url serves a single teacher: with several teachers, give each served one's "
@@ -148,14 +167,17 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._pending_teacher_scores = None
         self._forward_redirection = _ForwardRedirection()
         # Everything the trainer asks of its teacher goes through `self.teacher` (`teachers.py`)
-        if isinstance(teacher_model, dict):
+        if args.teacher_model_kind is not None:
+            self.teacher = SelfTeacher(self)
+        elif isinstance(teacher_model, dict):
             self.teacher = TeacherRouter.connect(self, loaded_teachers)
         elif args.teacher_model_server_url is not None:
             self.teacher = RemoteTeacher.connect(self, teacher_path)
         else:
             self.teacher = InProcessTeacher(self, teacher_model, teacher_path)
-        # The prepared model in this process, or None (a served teacher, several teachers)
-        self.teacher_model = self.teacher.model
+        # The prepared model in this process, or None (a served teacher, several teachers), for the probes; a teacher
+        # that reads prompts of its own has none to read on the probe prompts
+        self.teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
             # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)
@@ -179,12 +201,17 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             and self.args.reference_column not in self._signature_columns
         ):
             self._signature_columns = [*self._signature_columns, self.args.reference_column]
-        if "teacher_id" not in self._signature_columns:  # each row's teacher, with several
-            self._signature_columns = [*self._signature_columns, "teacher_id"]
+        for column in (
+            "teacher_id",
+            "privileged_context",
+        ):  # each row's teacher, with several; a self teacher's context
+            if column not in self._signature_columns:
+                self._signature_columns = [*self._signature_columns, column]
 
-    # ----- checkpoints: the source/cut-point generator travels with the trainer's RNG states -----------------------
+    # ----- checkpoints: the source/cut-point generator (and the teacher's state) travel with the RNG states -------
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
+        self.teacher.save_state(output_dir)  # an EMA self teacher's weights
         path = Path(output_dir) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
         # `micro_step`: GRPO's count of micro-batches, to tell at resume whether the checkpoint is inside a generation
         torch.save({"source_generator": self._source_generator.get_state(), "micro_step": self._step}, path)
@@ -193,6 +220,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
+        self.teacher.load_state(checkpoint)
         path = Path(checkpoint) / SOURCE_RNG_FILE.format(rank=self.args.process_index)
         saved = torch.load(path, weights_only=True) if path.is_file() else {}
         self._check_resume_at_generation_boundary(checkpoint, saved.get("micro_step"))
@@ -225,7 +253,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._row_sources = [MIX_SOURCES[i] for i in draws.tolist()]
         self._row_references = [row.get(self.args.reference_column) for row in inputs]
         self._row_teachers = self.teacher.route([row.get("teacher_id") for row in inputs])
-        self._scoring_rollouts = True
+        self._rows = inputs
         try:
             output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
             teacher_scores = self._pending_teacher_scores  # asked for in `_generate`, unless `continuation`
@@ -235,6 +263,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         device = output["completion_ids"].device
         output["row_source"] = torch.tensor([source_code(s) for s in self._row_sources], device=device)
         output["teacher"] = self._row_teachers  # a list: GRPO shuffles and splits it with the rows
+        output["teacher_prompt_ids"] = self._teacher_prompts  # the prompt the teacher reads, per row (a list too)
         if self.args.signal == "continuation":
             return self._continue_with_teacher(output)
         # One `TeacherRow` per row (read in the loss), or None: an in-process teacher's divergence is computed there
@@ -245,11 +274,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
             prompts
         )
+        # The teacher reads its own prompts (a self teacher's hold the row's privileged context), the student its own
+        self._teacher_prompts = teacher_prompts = self.teacher.prompts(prompt_ids, self._rows)
         swap = [i for i, s in enumerate(self._row_sources) if s != "learner"]
         teacher_rows = [i for i in swap if self._row_sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
         rollouts = self.teacher.generate(
-            [prompt_ids[i] for i in teacher_rows],
+            [teacher_prompts[i] for i in teacher_rows],
             self.max_completion_length,
             teachers=[self._row_teachers[i] for i in teacher_rows],
         )
@@ -267,8 +298,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             # completions) are zeroed when the answer is read.
             distribution = self.args.signal == "divergence"
             self._pending_teacher_scores = self.teacher.score(
-                prompt_ids, completion_ids, distribution, teachers=self._row_teachers
+                teacher_prompts, completion_ids, distribution, teachers=self._row_teachers
             )
+        # From here until the batch is returned GRPO scores the rollouts with the student (its old log-probs), which
+        # no OPD loss reads: `_get_per_token_logps_and_entropies` skips that forward. (The teacher's scoring above
+        # runs first: a live self teacher is the student.)
+        self._scoring_rollouts = True
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
     def _reference_ids(self, reference) -> list[int]:
@@ -285,13 +320,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there. A rollout
         GRPO masked whole (truncated, with `mask_truncated_completions`) is neither cut nor continued: it supervises
         nothing, as in GRPO, and is left as one masked padding token."""
-        prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         lengths = completion_mask.sum(1).cpu()
         cuts = (torch.rand(len(lengths), generator=self._source_generator) * lengths.clamp(min=1)).long()
         cuts = torch.minimum(cuts, lengths)
         prefixes = [completion_ids[i, : cuts[i]].tolist() for i in range(len(cuts))]
-        prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(len(cuts))]
+        prompts = output["teacher_prompt_ids"]  # the teacher continues the student's prefix after its own prompt
         # Every rollout holds at least its first token (or eos) unless GRPO masked it whole
         kept = [i for i in range(len(cuts)) if lengths[i] > 0]
         continuations = [[] for _ in cuts]
@@ -478,6 +512,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 weights=weights if isinstance(weights, float) else align(weights),
                 rewards=inputs.get("rewards"),
                 teachers=inputs["teacher"] if self.teacher.names else None,
+                teacher_prompts=inputs["teacher_prompt_ids"] if self.teacher.reads_own_prompts else None,
             )
         return loss
 
@@ -569,6 +604,12 @@ def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
         raise ValueError(
             f"the training dataset has no 'prompt' column (columns: {columns}); OnPolicyDistillTrainer samples "
             "completions from prompts: rename your prompt column to 'prompt'"
+        )
+    if args.teacher_model_kind is not None and "privileged_context" not in columns:
+        raise ValueError(
+            f"teacher_model_kind={args.teacher_model_kind!r} makes the student its own teacher, reading "
+            f"teacher_prompt_template={args.teacher_prompt_template!r}, which needs each row's privileged context in "
+            f"a 'privileged_context' column, absent from the dataset (columns: {columns})"
         )
     if args.state_source_mix.get("dataset", 0.0) > 0 and args.reference_column not in columns:
         raise ValueError(

@@ -15,6 +15,10 @@ One record per supervised token holds:
   distribution at the state;
 - ``teacher_logp``: the teacher's log-probability of the token (NaN without a teacher);
 - ``weight``: what the loss multiplies the token by (1 for SFT, the advantage for GRPO).
+
+A sequence sampled for the ledger whose teacher read a prompt of its own (a self teacher shown privileged context)
+also carries that ``teacher_prompt`` and ``teacher_context_len``, its tokens over the student's prompt; its
+``teacher_logp`` values are the teacher's log-probs under that prompt.
 """
 
 from __future__ import annotations
@@ -176,6 +180,9 @@ class _MicroBatchStates:
     sequence_ids: torch.Tensor  # (S,) sequence index of each
     rewards: torch.Tensor | None  # (B,) reward of each row, when the trainer has one
     teachers: list[str] | None = None  # (B,) the teacher of each row, when the trainer has several
+    teacher_prompts: list[list[int]] | None = (
+        None  # (B,) each row's teacher prompt, when it differs from the student's
+    )
 
 
 class StateRecorderMixin:
@@ -210,6 +217,7 @@ class StateRecorderMixin:
         weights: float | torch.Tensor | None = None,
         rewards: torch.Tensor | None = None,
         teachers: list[str] | None = None,
+        teacher_prompts: list[list[int]] | None = None,
     ) -> None:
         """Record the supervised states of one micro-batch.
 
@@ -234,6 +242,9 @@ class StateRecorderMixin:
             rewards (`torch.Tensor` of shape `(B,)`, *optional*): reward of each row, written to the ledger.
             teachers (`list[str]` of length `B`, *optional*): the teacher of each row (several teachers), written to
                 the ledger.
+            teacher_prompts (`list[list[int]]` of length `B`, *optional*): the token ids of the prompt each row's
+                teacher read, when it is not the student's (a self teacher's privileged prompt), written to the ledger
+                with its length over the student's prompt.
         """
         if self._state_buffer is None:
             return
@@ -311,6 +322,7 @@ class StateRecorderMixin:
                 sequence_ids=torch.arange(num_sequences, device=device)[recorded] + offset,
                 rewards=None if rewards is None else rewards.detach().float(),
                 teachers=teachers,
+                teacher_prompts=teacher_prompts,
             )
         )
         self._state_sequences_in_step += num_sequences
@@ -358,6 +370,17 @@ class StateRecorderMixin:
             supervised_ids = ids[first : last + 1][part.supervised_mask[row, first : last + 1]]
             tokens = records.sequence == sequence_id
             teacher = records.teacher_logp[tokens]
+            prefix_len = records.prefix_len[tokens].tolist()
+            if part.teacher_prompts is not None:
+                # The ledger's prompt runs to the first supervised token, past the student's prompt by its prefix_len
+                student_prompt_len = len(prompt_ids) - prefix_len[0]
+                teacher_prompt = part.teacher_prompts[row]
+                teacher_fields = {
+                    "teacher_prompt": tokenizer.decode(teacher_prompt),
+                    "teacher_context_len": len(teacher_prompt) - student_prompt_len,
+                }
+            else:
+                teacher_fields = {}
             samples.append(
                 {
                     "step": step,
@@ -368,9 +391,10 @@ class StateRecorderMixin:
                     "completion": tokenizer.decode(completion_ids),
                     "reward": None if part.rewards is None else _finite_or_none(part.rewards[row].item()),
                     **({} if part.teachers is None else {"teacher": part.teachers[row]}),
+                    **teacher_fields,
                     "num_supervised": int(tokens.sum()),
                     "tokens": tokenizer.batch_decode(supervised_ids[:, None]),
-                    "prefix_len": records.prefix_len[tokens].tolist(),
+                    "prefix_len": prefix_len,
                     "logp": records.logp[tokens].tolist(),
                     "entropy": records.entropy[tokens].tolist(),
                     "teacher_logp": None if torch.isnan(teacher).all() else teacher.tolist(),

@@ -3,8 +3,9 @@
 `statelens report` writes it next to `report.html`. Everything is inlined (data as JSON, hand-written JavaScript and
 SVG, no library, no network), so it works opened from disk. It shows:
 
-- sequences sampled from each run's `statelens/states.jsonl`: the prompt in grey, then each supervised token coloured
-  by the chosen quantity (state source, learner log-prob, teacher log-prob, the gap `log p_S - log p_T`, weight or
+- sequences sampled from each run's `statelens/states.jsonl`: the prompt in grey (beside it, when the teacher read a
+  prompt of its own, as a self teacher shown privileged context does, that prompt and its extra tokens), then each
+  supervised token coloured by the chosen quantity (state source, learner log-prob, teacher log-prob, the gap `log p_S - log p_T`, weight or
   advantage, entropy); hovering a token shows its values and prefix length;
 - filters by run, step range, source and reward, and a sort by off-policy gap or teacher KL, 40 sequences a page;
 - per run, the prefix-length histogram over steps as a heatmap (from `steps.jsonl`), and state and drift metrics
@@ -75,9 +76,9 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
     if teacher is not None and source == "learner":  # the sampled reverse KL is an estimate on the learner's tokens
         diff = logp_array - np.asarray([np.nan if v is None else v for v in teacher], dtype=float)
         teacher_kl = float(np.nanmean(diff)) if np.isfinite(diff).any() else None
-    prompt = str(line.get("prompt") or "")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        prompt = "…" + prompt[-MAX_PROMPT_CHARS:]
+    prompt = _prompt_text(line.get("prompt"))
+    teacher_prompt = line.get("teacher_prompt")
+    context_len = line.get("teacher_context_len")
     reward = line.get("reward")
     return {
         "r": run_index,
@@ -85,6 +86,8 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
         "src": STATE_SOURCES.index(source) if source in STATE_SOURCES else -1,
         "rw": float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None,
         "p": prompt,
+        "tp": None if teacher_prompt is None else _prompt_text(teacher_prompt),
+        "tc": context_len if isinstance(context_len, int) else None,
         "t": tokens,
         "c": None if tokens is not None else str(line.get("completion") or ""),
         "pl": compact_prefix_len(list(line.get("prefix_len") or range(len(logp)))),
@@ -95,6 +98,12 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
         "gap": float(np.nanmean(gap)) if np.isfinite(gap).any() else None,
         "kl": teacher_kl,
     }
+
+
+def _prompt_text(prompt) -> str:
+    """A prompt for the page: longer ones keep their end, where the state begins."""
+    prompt = str(prompt or "")
+    return "…" + prompt[-MAX_PROMPT_CHARS:] if len(prompt) > MAX_PROMPT_CHARS else prompt
 
 
 def evenly_spaced(count: int, budget: int) -> set[int]:
@@ -261,6 +270,8 @@ label { margin-right: .6em; white-space: nowrap; }
   line-height: 1.6; }
 .prompt { color: #888; border-left: 3px dashed #ccc; padding-left: .4em; margin-bottom: .2em; }
 .prompt .more { color: #36c; cursor: pointer; }
+.prompts { display: flex; gap: .8em; } .prompts > .prompt { flex: 1; min-width: 0; }
+.prompt-label { color: #555; font-family: system-ui, sans-serif; font-size: .9em; display: block; }
 .tok { padding: 1px 0; border-right: 1px solid #fff; cursor: default; }
 .tok.cell { display: inline-block; width: .7em; height: 1em; vertical-align: middle; margin-right: 1px; }
 .tok:hover { outline: 2px solid #000; }
@@ -455,16 +466,15 @@ function renderSequence(seq, index) {
     `<span class="badge" style="background:${SOURCE_COLORS[source] || "#999"}">${source}</span> · ` +
     `${seq.lp.length} supervised tokens · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
     `teacher KL ${fmt(seq.kl)}`;
-  const prompt = document.createElement("div");
-  prompt.className = "text prompt";
-  const tail = 300;
-  if (seq.p.length > tail) {
-    const more = document.createElement("span");
-    more.className = "more"; more.textContent = "… ";
-    more.title = "show the whole prompt";
-    more.addEventListener("click", () => { prompt.textContent = seq.p; });
-    prompt.append(more, seq.p.slice(-tail));
-  } else prompt.textContent = seq.p;
+  let prompt = promptBlock(seq.p, null);
+  if (seq.tp !== null && seq.tp !== undefined) {  // the teacher read a prompt of its own: the two side by side
+    const prompts = document.createElement("div");
+    prompts.className = "prompts";
+    const extra = seq.tc === null ? "" : ` (${seq.tc >= 0 ? "+" : ""}${seq.tc} tokens)`;
+    prompts.append(promptBlock(seq.p, "student's prompt"), promptBlock(seq.tp, "teacher's prompt" + extra));
+    prompts.querySelectorAll(".prompt")[1].classList.add("teacher-prompt");
+    prompt = prompts;
+  }
   const body = document.createElement("div");
   body.className = "text completion";
   const parts = [];
@@ -480,6 +490,24 @@ function renderSequence(seq, index) {
   }
   div.append(head, prompt, body);
   return div;
+}
+function promptBlock(text, label) {  // the prompt's last 300 characters; a click shows the rest
+  const block = document.createElement("div");
+  block.className = "text prompt";
+  const tail = 300;
+  const labelled = (...parts) => {
+    block.replaceChildren();
+    if (label) { const l = document.createElement("span"); l.className = "prompt-label"; l.textContent = label; block.append(l); }
+    block.append(...parts);
+  };
+  if (text.length > tail) {
+    const more = document.createElement("span");
+    more.className = "more"; more.textContent = "… ";
+    more.title = "show the whole prompt";
+    more.addEventListener("click", () => labelled(text));
+    labelled(more, text.slice(-tail));
+  } else labelled(text);
+  return block;
 }
 function escapeHtml(text) {
   return String(text).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));

@@ -7,34 +7,43 @@
 - `score(prompts, completions, distribution)`: start scoring a batch's rows, the teacher's log-prob of each
   completion token and, with `distribution`, its next-token distribution at each completion position where it
   gives one ahead of the loss; the answer may come later ([`TeacherRow`], read with [`resolve_rows`]);
-- `divergence_loss(...)`: the `divergence` loss between the student's next-token distributions and its own.
+- `divergence_loss(...)`: the `divergence` loss between the student's next-token distributions and its own;
 
-Its vocabulary and tokenizer are checked against the student's when it is made. Two kinds:
+and, around those, `prompts(student_prompts, rows)`: the prompt it reads for each row (the student's, unless it is
+shown more), which the trainer then passes to the three methods above; `save_state`/`load_state` with each checkpoint.
+
+Its vocabulary and tokenizer are checked against the student's when it is made. Three kinds:
 
 - [`InProcessTeacher`]: a model in the training processes (DDP, DeepSpeed ZeRO-3 and all), scored with the
   trainer's chunked LM-head path; its `divergence_loss` is TRL's exact full-vocabulary generalised JSD;
 - [`RemoteTeacher`]: a vLLM server reached through [`ServedTeacher`], whose scoring requests can run in the background
   while the student works (`teacher_server_overlap`); its `divergence_loss` uses the teacher's top-k log-probs plus a
-  tail bucket ([`topk_tail_divergence`]).
+  tail bucket ([`topk_tail_divergence`]);
+- [`SelfTeacher`]: the student itself (its weights at the start, live, or an exponential average) reading a prompt
+  built from the row's prompt and its `privileged_context`: self-distillation with privileged context.
 
 Every rank calls every method with its own rows, none included: an in-process teacher under ZeRO-3 gathers its
 parameters collectively, so each rank must join while any rank has rows (a served teacher is asked for a rank's own
 rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a
 [`TeacherRouter`] sends each row to the teacher of its `teacher_id` (several teachers, in-process and served mixed),
-and a teacher that is the student itself behind a privileged prompt can replace the prompts.
+and a [`SelfTeacher`] is handed its own prompts in place of the student's.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, nullcontext
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers import AutoTokenizer, PreTrainedModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.utils.peft_utils import find_adapter_config_file
+from trl.data_utils import is_conversational
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, pad
@@ -107,6 +116,18 @@ class Teacher:
 
     model: PreTrainedModel | None = None
     names: tuple[str, ...] = ()  # the teachers a [`TeacherRouter`] sends rows to; none for a single teacher
+    reads_own_prompts: bool = False  # its prompts differ from the student's (recorded in the ledger)
+
+    def prompts(self, student_prompts: list[list[int]], rows: list[dict]) -> list[list[int]]:
+        """The prompt this teacher reads for each row (`rows`: the dataset rows, one per rollout), given the
+        student's: the same ones, unless the teacher is shown more."""
+        return student_prompts
+
+    def save_state(self, output_dir: str) -> None:
+        """Write what the teacher changes during training into a checkpoint folder (nothing for a frozen one)."""
+
+    def load_state(self, checkpoint: str) -> None:
+        """Restore what `save_state` wrote into `checkpoint`."""
 
     def route(self, teacher_ids: list[str | None]) -> list[str | None]:
         """The name of the teacher each row goes to, from the rows' `teacher_id` values (`None` for a single
@@ -182,6 +203,11 @@ class InProcessTeacher(Teacher):
             self.model = trainer.accelerator.prepare_model(model, evaluation_mode=True)
         self.trainer = trainer
 
+    @property
+    def generation_model(self):
+        """The model `generate` unwraps (gathering ZeRO-3 shards): the prepared teacher."""
+        return self.model
+
     def _any_rank_has(self, rows: list) -> bool:
         accelerator = self.trainer.accelerator
         if accelerator.num_processes == 1:
@@ -212,7 +238,7 @@ class InProcessTeacher(Teacher):
         if teacher_vocab > student_vocab:
             generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
         with unwrap_model_for_generation(
-            self.model, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
+            self.generation_model, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
         ) as teacher:
             out = teacher.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
@@ -312,6 +338,181 @@ def _stand_in_row(batch: dict, student_hidden, pad_id: int):
 def _rows_answered(scores: list[RowScores]) -> list[TeacherRow]:
     batch = answered(scores)
     return [TeacherRow(batch, i) for i in range(len(scores))]
+
+
+class SelfTeacher(InProcessTeacher):
+    """The student as its own teacher, reading a privileged prompt (self-distillation with privileged context, as
+    TRL's experimental `SDFTTrainer`): each row's `args.teacher_prompt_template` filled with its prompt and its
+    `privileged_context`, tokenised as the student's prompt is (GRPO's `_tokenize_prompts`: the chat template for a
+    conversational prompt, whose last user message the filled template replaces, as TRL does).
+
+    The trainer hands it these prompts in place of the student's (`prompts`), so it scores and writes as an
+    in-process teacher does, after its own prompt: a completion token's teacher log-prob is read at the same
+    completion position whatever the two prompts' lengths, since each side left-pads its prompts before the shared,
+    right-padded completion.
+
+    The weights, by `args.teacher_model_kind`:
+
+    - `"base"`: a frozen copy of the student made here, before any step (a PEFT student: its own base model with the
+      adapter disabled, no copy);
+    - `"live"`: the student itself under `no_grad`, no copy (generation through the trainer's wrapped model, which
+      under ZeRO-3 gathers the student's shards as GRPO's own generation does);
+    - `"ema"`: a frozen copy moved toward the student after every optimizer step by `args.teacher_update_rate`,
+      written into each checkpoint and read back on resume.
+
+    Under ZeRO-3 the student is partitioned before this is made, so a copy would hold empty shards: a copy (`"ema"`,
+    `"base"` of a full student) is refused there. A PEFT student with `"ema"` is refused too (it would need an
+    averaged adapter, which is not built).
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
+    """
+
+    reads_own_prompts = True
+    EMA_FILE = "statelens_ema_teacher.safetensors"
+
+    def __init__(self, trainer):
+        args = trainer.args
+        self.kind, self.template = args.teacher_model_kind, args.teacher_prompt_template
+        student = trainer.model
+        peft = is_peft_model(student)
+        # No copy: the teacher is the student module itself (the one every wrapper holds), read without gradient
+        self.shares_student = self.kind == "live" or (self.kind == "base" and peft)
+        if self.shares_student:
+            self.trainer, self.model = trainer, student
+            return
+        if peft:
+            raise ValueError(
+                "teacher_model_kind='ema' with a PEFT student is not supported: the average would have to be kept "
+                "over the adapter alone. Use teacher_model_kind='base' (the base model, adapter disabled, no copy) or "
+                "'live', or train the full model"
+            )
+        if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError(
+                f"teacher_model_kind={self.kind!r} under DeepSpeed ZeRO-3: the student is already partitioned across "
+                "processes when the teacher is made, so a copy of it would hold empty shards. Use "
+                "teacher_model_kind='live' (no copy), a LoRA student with 'base' (its base, adapter disabled), or "
+                "ZeRO-2"
+            )
+        teacher = copy.deepcopy(student)
+        # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward: the
+        # copy would call the student's. Drop it; `InProcessTeacher` adds the head to the copy itself.
+        teacher.__dict__.pop("forward", None)
+        super().__init__(trainer, teacher)
+        if self.kind == "ema":
+            trainer.add_callback(_MovingAverage(self, args.teacher_update_rate))
+
+    @property
+    def generation_model(self):
+        # The student as the trainer wrapped it (DDP, DeepSpeed engine): what GRPO itself generates with
+        return self.trainer.model_wrapped if self.shares_student else self.model
+
+    def _weights(self):
+        """The teacher's weights for the call: a PEFT student's base with its adapter off for `"base"`."""
+        if self.kind == "base" and self.shares_student:
+            return self.trainer.accelerator.unwrap_model(self.model).disable_adapter()
+        return nullcontext()
+
+    def prompts(self, student_prompts, rows):
+        missing = [i for i, row in enumerate(rows) if row.get("privileged_context") is None]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} row(s) of this batch have no privileged_context (None): the self teacher's prompt "
+                f"is {self.template!r}; give every row a privileged_context (an empty string for none)"
+            )
+        texts = [self.fill(row["prompt"], row["privileged_context"]) for row in rows]
+        return [list(ids) for ids in self.trainer._tokenize_prompts(texts)[0]]
+
+    def fill(self, prompt, privileged_context):
+        """The teacher's prompt (text or conversation) for a row."""
+        context = _as_text(privileged_context)
+        if not is_conversational({"prompt": prompt}):
+            return self.template.format(prompt=prompt, privileged_context=context)
+        last = prompt[-1]
+        if last.get("role") != "user":
+            raise ValueError(
+                f"a conversational prompt for the self teacher must end with a user message, whose text "
+                f"teacher_prompt_template fills in; this one ends with a {last.get('role')!r} message"
+            )
+        text = self.template.format(prompt=_as_text([last]), privileged_context=context)
+        return [*prompt[:-1], {**last, "content": text}]
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        with self._weights():
+            return super().generate(prompts, max_new_tokens, prefixes, teachers)
+
+    @torch.no_grad()
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        with self._weights():
+            return super().score(prompts, completions, distribution, teachers)
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """As [`InProcessTeacher`]'s, on the batch's teacher prompts (`teacher_prompt_ids`, one list per row)."""
+        rows = [torch.tensor(p, dtype=torch.long) for p in batch["teacher_prompt_ids"]]
+        if rows:
+            pad_id, multiple = self.trainer._tokenizer.pad_token_id, self.trainer.pad_to_multiple_of
+            device = batch["prompt_ids"].device
+            prompt_ids = pad(rows, padding_value=pad_id, padding_side="left", pad_to_multiple_of=multiple)
+            prompt_mask = pad([torch.ones_like(r) for r in rows], 0, "left", pad_to_multiple_of=multiple)
+            batch = {**batch, "prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device)}
+        with self._weights():
+            return super().divergence_loss(student, student_hidden, batch, loss_mask, normalizer, beta, temperature)
+
+    def save_state(self, output_dir):
+        if self.kind == "ema" and self.trainer.args.should_save:  # every process holds the same average
+            weights = {name: p.detach().contiguous() for name, p in self._unwrapped().named_parameters()}
+            save_file(weights, str(Path(output_dir) / self.EMA_FILE))
+
+    def load_state(self, checkpoint):
+        if self.kind != "ema":
+            return
+        path = Path(checkpoint) / self.EMA_FILE
+        if not path.is_file():
+            raise ValueError(
+                f"{path} not found: {checkpoint} holds no EMA teacher, so this run cannot resume the one it averaged "
+                "(a checkpoint from a run without teacher_model_kind='ema'?)"
+            )
+        saved = load_file(str(path))
+        with torch.no_grad():
+            for name, param in self._unwrapped().named_parameters():
+                param.copy_(saved[name])
+
+    def _unwrapped(self):
+        return self.trainer.accelerator.unwrap_model(self.model)
+
+
+class _MovingAverage(TrainerCallback):
+    """After every optimizer step, `teacher <- (1 - rate) * teacher + rate * student`, parameter by parameter (the
+    copy holds the student's parameters in the same order, tied ones once)."""
+
+    def __init__(self, teacher: SelfTeacher, rate: float):
+        self.teacher, self.rate = teacher, rate
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.teacher.trainer
+        student = trainer.accelerator.unwrap_model(trainer.model)
+        pairs = zip(self.teacher._unwrapped().named_parameters(), student.named_parameters(), strict=True)
+        for (name, averaged), (student_name, current) in pairs:
+            assert name == student_name, (name, student_name)
+            averaged.lerp_(current.detach().to(averaged.dtype), self.rate)
+
+
+def _as_text(value) -> str:
+    """A privileged context or a user message as text: a string as it is, messages by their text contents joined by
+    newlines (as TRL's SDFT does)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for message in value:
+            content = message.get("content", "") if isinstance(message, dict) else message
+            if isinstance(content, list):
+                content = " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+            if content:
+                parts.append(str(content))
+        return "\n".join(parts)
+    return str(value)
 
 
 class RemoteTeacher(Teacher):

@@ -1,0 +1,269 @@
+"""The student as its own teacher behind a privileged prompt (`teacher_model_kind`, `SelfTeacher`)."""
+
+import json
+
+import pytest
+import torch
+from cpu_settings import CPU
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens.teachers import SelfTeacher, resolve_rows
+
+
+def opd_config(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        teacher_model_kind="base",
+    )
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+
+
+def with_context(dataset, contexts=None):
+    """The dataset with a `privileged_context` column: `contexts` cycled over the rows, default each row's answer."""
+    values = dataset["completion"] if contexts is None else [contexts[i % len(contexts)] for i in range(len(dataset))]
+    return dataset.add_column("privileged_context", values)
+
+
+def log_history(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+# ----- a teacher shown nothing more is the student: nothing to learn -------------------------------------------
+@pytest.mark.parametrize("signal", ["reverse_kl", "divergence"])
+def test_base_teacher_with_empty_context_gives_zero_kl_and_zero_gradient(
+    tmp_path, math_trained_path, math_dataset, signal
+):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, signal=signal, teacher_prompt_template="{prompt}{privileged_context}"),
+        train_dataset=with_context(math_dataset, [""]),
+    )
+    assert isinstance(trainer.teacher, SelfTeacher) and trainer.teacher.model is not trainer.model  # one copy
+    trainer.train()
+    assert log_history(trainer, "teacher_kl")[0] == 0.0
+    assert log_history(trainer, "grad_norm")[0] == 0.0
+
+
+# ----- positions line up across the two prompts' lengths --------------------------------------------------------
+@pytest.mark.parametrize("signal", ["reverse_kl", "divergence"])
+def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_trained_path, math_dataset, signal):
+    """Rows with privileged contexts of different lengths (so the teacher's prompts are left-padded differently from
+    the student's and from each other): the teacher's log-prob of completion token j is a plain forward of
+    [teacher prompt + completion] at that token, for the scores of reverse_kl and the divergence loss's alike."""
+    contexts = ["", "Answer: 7", "The reference solution adds the apples, then the pears: 3 + 4 = 7."]
+    template = "{prompt}\nHint: {privileged_context}"
+    data = with_context(math_dataset, contexts)
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, signal=signal, teacher_prompt_template=template),
+        train_dataset=data,
+        state_logging=False,
+    )
+    rows = [dict(row) for row in data.select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    for row, ids in zip(rows, batch["teacher_prompt_ids"]):
+        expected = trainer._tokenizer(
+            template.format(prompt=row["prompt"], privileged_context=row["privileged_context"])
+        )
+        assert ids == expected["input_ids"]
+    lengths = {len(ids) for ids in batch["teacher_prompt_ids"]}
+    assert len(lengths) >= 3, lengths  # prompts of several lengths in one batch
+
+    if signal == "reverse_kl":
+        teacher_logps = resolve_rows(batch["teacher_logps"], completion_ids, completion_mask).logps
+    else:
+        assert batch["teacher_logps"] is None  # computed within the loss
+        student = trainer.accelerator.unwrap_model(trainer.model)
+        hidden = torch.zeros((*completion_ids.shape, student.config.hidden_size))
+        _, teacher_logps = trainer.teacher.divergence_loss(
+            student, hidden, batch, completion_mask.float(), 1.0, 1.0, trainer.temperature
+        )
+
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
+    for i, prompt in enumerate(batch["teacher_prompt_ids"]):
+        completion = completion_ids[i][completion_mask[i].bool()]
+        ids = torch.tensor(prompt + completion.tolist())[None]
+        with torch.no_grad():
+            logits = base(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.temperature
+        direct = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+        torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
+
+
+def test_continuation_teacher_continues_the_prefix_after_its_own_prompt(tmp_path, math_trained_path, math_dataset):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, signal="continuation", continuation_length=4),
+        train_dataset=with_context(math_dataset),
+        state_logging=False,
+    )
+    asked = []
+    generate = trainer.teacher.generate
+
+    def spy(prompts, max_new_tokens, prefixes=None, teachers=None):
+        asked.append(prompts)
+        return generate(prompts, max_new_tokens, prefixes, teachers)
+
+    trainer.teacher.generate = spy
+    rows = [dict(row) for row in with_context(math_dataset).select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    student_prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    prompts = asked[-1]  # (the first call: the `teacher` state source's rollouts, none here)
+    assert prompts == batch["teacher_prompt_ids"]  # every rollout was kept (none truncated at 8 tokens here)
+    for teacher_prompt, student_prompt in zip(prompts, student_prompts):
+        assert teacher_prompt[: len(student_prompt)] == student_prompt and len(teacher_prompt) > len(student_prompt)
+
+
+# ----- the lens: the ledger says what the teacher saw ---------------------------------------------------------------
+def test_ledger_records_the_teacher_prompt_and_its_extra_context(tmp_path, math_trained_path, math_dataset):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_prompt_template="{privileged_context}\n{prompt}"),
+        train_dataset=with_context(math_dataset),
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )
+    trainer.train()
+    lines = [json.loads(line) for line in open(tmp_path / "statelens" / "states.jsonl")]
+    assert len(lines) == 8
+    by_prompt = {row["prompt"]: row for row in with_context(math_dataset)}
+    for line in lines:
+        row = by_prompt[line["prompt"]]
+        context_ids = trainer._tokenizer(row["privileged_context"] + "\n")["input_ids"]
+        assert line["teacher_prompt"] == trainer._tokenizer.decode(
+            trainer._tokenizer(row["privileged_context"] + "\n" + row["prompt"])["input_ids"]
+        )
+        assert line["teacher_context_len"] == len(context_ids) > 0
+        assert line["teacher_logp"] is not None and len(line["teacher_logp"]) == line["num_supervised"]
+
+
+# ----- EMA: moved by each step, kept in checkpoints ---------------------------------------------------------------
+def test_ema_teacher_moves_toward_the_student_by_the_rate(tmp_path, math_trained_path, math_dataset):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_model_kind="ema", teacher_update_rate=0.25),
+        train_dataset=with_context(math_dataset),
+        state_logging=False,
+    )
+    start = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    student = dict(trainer.model.named_parameters())
+    moved = False
+    for name, averaged in trainer.teacher.model.named_parameters():
+        expected = torch.lerp(start[name], student[name].detach(), 0.25)
+        torch.testing.assert_close(averaged, expected, atol=0, rtol=0)
+        moved |= not averaged.equal(start[name])
+    assert moved
+
+
+def test_ema_teacher_survives_checkpoint_and_resume_byte_for_byte(tmp_path, math_trained_path, math_dataset):
+    """Four steps straight, against two steps, a checkpoint, and two more steps in a new trainer resumed from it:
+    the same weights, EMA teacher and losses, exactly (one CPU thread: training is deterministic)."""
+    data = with_context(math_dataset)
+
+    def trainer(output_dir):
+        args = opd_config(
+            output_dir, max_steps=4, per_device_train_batch_size=4, teacher_model_kind="ema",
+            teacher_update_rate=0.5, save_strategy="steps", save_steps=2,
+        )  # fmt: skip
+        return OnPolicyDistillTrainer(model=str(math_trained_path), args=args, train_dataset=data, state_logging=False)
+
+    straight = trainer(tmp_path / "straight")
+    straight.train()
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    saved = load_file(checkpoint / SelfTeacher.EMA_FILE)
+    assert saved.keys() == dict(straight.teacher.model.named_parameters()).keys()
+
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for (name, a), (_, b) in zip(straight.teacher.model.named_parameters(), resumed.teacher.model.named_parameters()):
+        assert a.equal(b), name
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert a.equal(b), name
+    assert log_history(resumed, "loss") == log_history(straight, "loss")  # steps 1-2 come from the checkpoint
+    final = load_file(tmp_path / "resumed" / "checkpoint-4" / SelfTeacher.EMA_FILE)
+    reference = load_file(tmp_path / "straight" / "checkpoint-4" / SelfTeacher.EMA_FILE)
+    assert all(final[k].equal(reference[k]) for k in reference)
+
+
+# ----- live and PEFT: no copy ---------------------------------------------------------------------------------------
+def test_live_teacher_is_the_student_and_trains(tmp_path, math_trained_path, math_dataset):
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_model_kind="live", max_steps=2),
+        train_dataset=with_context(math_dataset),
+        state_logging=False,
+    )
+    assert trainer.teacher.model is trainer.model and trainer.teacher_model is None  # no probe teacher either
+    trainer.train()
+    kl = log_history(trainer, "teacher_kl")
+    assert len(kl) == 2 and all(k != 0.0 for k in kl)  # the context changes what the student predicts
+
+
+def test_peft_base_teacher_is_the_student_with_its_adapter_disabled(tmp_path, math_trained_path, math_dataset):
+    from peft import LoraConfig
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_prompt_template="{prompt}{privileged_context}", learning_rate=5e-2),
+        train_dataset=with_context(math_dataset, [""]),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        state_logging=False,
+    )
+    assert trainer.teacher.model is trainer.model  # no copy
+    rows = [dict(row) for row in with_context(math_dataset, [""]).select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    teacher = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"]).logps
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = base(input_ids=ids, attention_mask=mask).logits[:, -batch["completion_ids"].size(1) - 1 : -1]
+    direct = logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0] * batch["completion_mask"]
+    torch.testing.assert_close(teacher, direct, atol=1e-5, rtol=1e-5)  # the base, not the (non-zero) adapter
+    # and the adapter is on again for the student
+    with torch.no_grad():
+        student = trainer.model(input_ids=ids, attention_mask=mask).logits[
+            :, -batch["completion_ids"].size(1) - 1 : -1
+        ]
+    assert not torch.allclose(student, logits, atol=1e-3)
+
+
+# ----- refused clearly --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(teacher_model_kind="frozen"), "teacher_model_kind='frozen' is not one of"),
+        (dict(teacher_prompt_template="{prompt} with a hint"), "lacks {privileged_context}"),
+        (dict(teacher_prompt_template="Hint: {privileged_context}"), "lacks {prompt}"),
+        (dict(teacher_model_kind="ema", teacher_update_rate=0.0), "teacher_update_rate must be in"),
+        (dict(teacher_model_server_url="http://localhost:8000"), "set only one"),
+    ],
+)
+def test_bad_self_teacher_config_is_rejected(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        opd_config(tmp_path, **kwargs)
+
+
+def test_self_teacher_with_a_teacher_model_is_rejected(tmp_path, math_trained_path, teacher_path, math_dataset):
+    with pytest.raises(ValueError, match="teacher_model must be omitted"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(teacher_path),
+            args=opd_config(tmp_path),
+            train_dataset=with_context(math_dataset),
+        )
+
+
+def test_dataset_without_privileged_context_is_rejected_before_the_model_loads(tmp_path, math_dataset):
+    with pytest.raises(ValueError, match=r"teacher_prompt_template='\{prompt\}.*in a 'privileged_context' column"):
+        OnPolicyDistillTrainer(model=str(tmp_path / "no-model"), args=opd_config(tmp_path), train_dataset=math_dataset)
