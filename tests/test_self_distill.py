@@ -79,11 +79,11 @@ def test_loss_and_gradient_equal_stock_sdft_on_one_batch(
     tmp_path, math_trained_path, privileged_dataset, signal, jsd_beta
 ):
     """The same model, rows and sampled completions through both trainers' own loss code: our rollouts and our
-    batch; SDFT's teacher prompts from its own builder. Every rollout is cut at `max_completion_length` (asserted),
-    so SDFT's sequence mean and our token mean weigh tokens alike (see `stock_sdft`)."""
+    batch; SDFT's teacher prompts from its own builder. Every rollout is held to `max_completion_length` tokens
+    (`min_new_tokens`, asserted), so SDFT's sequence mean and our token mean weigh tokens alike (see `stock_sdft`)."""
     from trl.experimental.sdft import SDFTTrainer
 
-    args = self_config(tmp_path / "ours", signal=signal, jsd_beta=jsd_beta)
+    args = self_config(tmp_path / "ours", signal=signal, jsd_beta=jsd_beta, generation_kwargs={"min_new_tokens": 8})
     ours = OnPolicyDistillTrainer(model=str(math_trained_path), args=args, train_dataset=privileged_dataset)
     rows = [dict(row) for row in privileged_dataset.select(range(8))]
     ours.model.train()
