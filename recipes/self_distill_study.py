@@ -192,8 +192,11 @@ def choose(out: Path, base_dev: float, methods=METHODS) -> dict:
         candidates = []  # (steps, lr index, lr, smoothed score, raw score)
         for i, lr in enumerate(lrs):
             curve = dev_curve(dev_folder(out, method, lr))
+            missing = [s for s in steps if s not in curve]
+            if missing:  # a candidate without a score would drop out of the rule silently
+                raise ValueError(f"{dev_folder(out, method, lr)} has no dev score at steps {missing}")
             smooth = smoothed(curve)
-            candidates += [(s, i, lr, smooth[s], curve[s]) for s in steps if s in smooth]
+            candidates += [(s, i, lr, smooth[s], curve[s]) for s in steps]
         best = max(c[3] for c in candidates)
         pick = min(c for c in candidates if c[3] >= best - MARGIN - 1e-9)
         chosen[method] = {"learning_rate": pick[2], "steps": pick[0], "dev_smoothed": pick[3], "dev": pick[4],

@@ -56,3 +56,7 @@ def test_rule_picks_the_cheapest_setting_within_the_margin(tmp_path):
     assert (chosen["learning_rate"], chosen["steps"]) == ("1e-3", 9) and chosen["best_smoothed"] == pytest.approx(0.4)
     assert chosen["moves"]
     assert not sds.choose(tmp_path, base_dev=0.39, methods=methods)["m"]["moves"]  # 0.40 < 0.39 + 0.03
+    # a dev run that stopped early is refused, not read as having fewer candidates
+    write_dev("short", "3e-4", {3: 0.30, 6: 0.30})
+    with pytest.raises(ValueError, match=r"no dev score at steps \[9, 12\]"):
+        sds.choose(tmp_path, base_dev=0.30, methods={"short": (*methods["m"][:2], ["3e-4"], [3, 6, 9, 12], [])})
