@@ -22,17 +22,18 @@ def test_smoke_chain_writes_the_choice_tables_and_state_records(tmp_path, studen
     advantage = json.loads((out / "teacher_advantage.json").read_text())
     assert advantage["num_problems"] == 3 and advantage["teacher"]["loss_per_token"] > 0
     chosen = json.loads((out / "chosen.json").read_text())
-    assert set(sds.METHODS) <= set(chosen) and all(chosen[m]["steps"] in (1, 2) for m in sds.METHODS)
+    assert set(chosen) == {"base_dev", "margin", *sds.SMOKE_METHODS}
+    assert all(chosen[m]["steps"] in (1, 2) for m in sds.SMOKE_METHODS)
     summary = json.loads((out / "summary.json").read_text())
     records = {m: row for m, row in summary["methods"].items()}
-    # SFT supervised dataset states, self-distillation the learner's own; every run moved away from the base
+    # SFT supervised dataset states; continuation the learner's own prefixes, then the self teacher's tokens
     assert records["sft"]["source_frac/dataset"]["mean"] == 1.0
-    for method in ("sd_reverse_kl", "sd_divergence"):
-        assert records[method]["source_frac/learner"]["mean"] == 1.0 and "teacher_kl" in records[method]
-    assert records["sd_continuation"]["source_frac/teacher"]["mean"] > 0  # the teacher's tokens after the cut
+    assert records["sd_continuation"]["source_frac/learner"]["mean"] > 0
+    assert records["sd_continuation"]["source_frac/teacher"]["mean"] > 0
+    assert "teacher_kl" in records["sd_continuation"] and "teacher_kl" not in records["sft"]
     assert all("base_kl" in row and "offpolicy_gap" in row for row in records.values())
     pairs = {(c["run"], c["reference"], c["task"]) for c in summary["comparisons"]}
-    assert ("sd_divergence", "sft", "retention tasks") in pairs and ("sft", "base", "gsm8k") in pairs
+    assert ("sd_continuation", "sft", "retention tasks") in pairs and ("sft", "base", "gsm8k") in pairs
     text = (out / "summary.md").read_text()
     assert "| sd_continuation - sft | retention tasks |" in text and "Teacher's advantage" in text
     assert (out / "self_distill.png").stat().st_size > 0
