@@ -136,3 +136,37 @@ def test_another_runs_ledger_is_refused_on_every_rank(tmp_path, student_path):
         stderr[-3000:],
     )
     assert (ledger / "steps.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_zero3_self_teachers_without_a_copy_train_and_a_copy_is_refused(tmp_path, student_path):
+    """A live self teacher under ZeRO-3 is the partitioned student (scoring through its parameter hooks, generating
+    through its engine, a second forward inside its own for divergence): two steps per signal with teacher states in
+    the mix, the same on both ranks; a LoRA student's base teacher (adapter disabled, no copy) with divergence; an EMA
+    self teacher, a copy of the partitioned student, is refused clearly."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
+    command = [
+        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
+        "--main_process_port", str(free_port()), str(SCRIPT.parent / "opd_zero3_self_teacher.py"), str(student_path),
+        str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = launch.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        _, stderr = launch.communicate()
+        pytest.fail(f"ZeRO-3 ranks did not finish in 600 s: {stderr[-2000:]}")
+    assert launch.returncode == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert ranks[0] == ranks[1]  # metrics are gathered: both ranks log the same
+    assert (ranks[0]["world_size"], ranks[0]["zero_stage"]) == (2, 3)
+    for signal_name in ("reverse_kl", "divergence", "continuation", "lora_base"):
+        run = ranks[0][signal_name]
+        assert run["global_step"] == 2 and len(run["teacher_kl"]) == 2
+        assert run["teacher_kl"][0] != 0.0  # the privileged context changes what the teacher predicts
+    assert "teacher_model_kind='ema' under DeepSpeed ZeRO-3" in ranks[0]["ema"]

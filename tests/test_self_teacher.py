@@ -98,6 +98,42 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
         torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
 
 
+def test_conversational_prompt_fills_the_template_into_its_last_user_message(tmp_path, math_trained_path, world):
+    """As TRL's SDFT: the system message stays, the last user message becomes the filled template (its text as
+    `{prompt}`), and the whole is formatted with the chat template as the student's prompt is; a conversational
+    privileged context reads as its messages' text."""
+    from datasets import Dataset
+
+    system = {"role": "system", "content": "Solve it."}
+    problems = world.math("train", n=4)
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [system, {"role": "user", "content": row["question"]}],
+                "privileged_context": [{"role": "assistant", "content": row["answer"]}],
+            }
+            for row in problems
+        ]
+    )
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), args=opd_config(tmp_path), train_dataset=data, state_logging=False
+    )
+    rows = [dict(row) for row in data for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    tokenizer = trainer._tokenizer
+    for row, problem, teacher_ids, ids, mask in zip(
+        rows, [p for p in problems for _ in range(2)], batch["teacher_prompt_ids"], batch["prompt_ids"],
+        batch["prompt_mask"],
+    ):  # fmt: skip
+        filled = f"{problem['question']}\n\n{problem['answer']}"
+        chat = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
+        expected = tokenizer.apply_chat_template([system, {"role": "user", "content": filled}], **chat)["input_ids"]
+        assert teacher_ids == list(expected)
+        assert ids[mask.bool()].tolist() == list(tokenizer.apply_chat_template(row["prompt"], **chat)["input_ids"])
+    assert trainer.compute_loss(trainer.model, batch).isfinite()
+
+
 def test_continuation_teacher_continues_the_prefix_after_its_own_prompt(tmp_path, math_trained_path, math_dataset):
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
@@ -121,6 +157,21 @@ def test_continuation_teacher_continues_the_prefix_after_its_own_prompt(tmp_path
     assert prompts == batch["teacher_prompt_ids"]  # every rollout was kept (none truncated at 8 tokens here)
     for teacher_prompt, student_prompt in zip(prompts, student_prompts):
         assert teacher_prompt[: len(student_prompt)] == student_prompt and len(teacher_prompt) > len(student_prompt)
+
+
+def test_base_copy_runs_its_own_weights_when_it_generates(tmp_path, math_trained_path, math_dataset):
+    """The copy's `forward` (what `generate` calls) is its own: GRPO's fused LM head on the student is a closure over
+    the student's forward, which a plain deep copy would keep calling."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), args=opd_config(tmp_path), train_dataset=with_context(math_dataset)
+    )
+    with torch.no_grad():
+        for param in trainer.model.parameters():  # the student moves on; the base teacher must not
+            param.add_(torch.randn_like(param))
+    ids = torch.tensor([trainer._tokenizer(math_dataset["prompt"][0])["input_ids"]])
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.teacher.model(input_ids=ids).logits, base(input_ids=ids).logits)
 
 
 # ----- the lens: the ledger says what the teacher saw ---------------------------------------------------------------
@@ -164,34 +215,63 @@ def test_ema_teacher_moves_toward_the_student_by_the_rate(tmp_path, math_trained
     assert moved
 
 
-def test_ema_teacher_survives_checkpoint_and_resume_byte_for_byte(tmp_path, math_trained_path, math_dataset):
-    """Four steps straight, against two steps, a checkpoint, and two more steps in a new trainer resumed from it:
-    the same weights, EMA teacher and losses, exactly (one CPU thread: training is deterministic)."""
+def test_ema_teacher_survives_kill_and_resume_byte_for_byte(tmp_path, math_trained_path, math_dataset):
+    """Four steps straight, against a run killed with SIGKILL inside step 3 (a forked copy of this process: nothing
+    runs after the kill) and resumed from its checkpoint-2: the same weights, EMA teacher, losses and ledger files
+    (with each sequence's teacher prompt), byte for byte (one CPU thread: training is deterministic). Without the
+    EMA in the checkpoint the resumed teacher would restart from the student's first weights."""
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
     data = with_context(math_dataset)
 
-    def trainer(output_dir):
+    def trainer(output_dir, *callbacks):
         args = opd_config(
             output_dir, max_steps=4, per_device_train_batch_size=4, teacher_model_kind="ema",
             teacher_update_rate=0.5, save_strategy="steps", save_steps=2,
         )  # fmt: skip
-        return OnPolicyDistillTrainer(model=str(math_trained_path), args=args, train_dataset=data, state_logging=False)
+        return OnPolicyDistillTrainer(
+            model=str(math_trained_path), args=args, train_dataset=data,
+            callbacks=[StateLoggingCallback(sample_rate=0.5), *callbacks],
+        )  # fmt: skip
+
+    class KillInStep3(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # two steps done and checkpointed, the third one's backward too
+                os.kill(os.getpid(), signal.SIGKILL)
 
     straight = trainer(tmp_path / "straight")
     straight.train()
-    checkpoint = tmp_path / "straight" / "checkpoint-2"
-    saved = load_file(checkpoint / SelfTeacher.EMA_FILE)
+    saved = load_file(tmp_path / "straight" / "checkpoint-2" / SelfTeacher.EMA_FILE)
     assert saved.keys() == dict(straight.teacher.model.named_parameters()).keys()
 
-    resumed = trainer(tmp_path / "resumed")
-    resumed.train(resume_from_checkpoint=str(checkpoint))
+    out = tmp_path / "killed"
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            trainer(out, KillInStep3()).train()
+        finally:
+            os._exit(1)  # reached only if the kill never came
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+    resumed = trainer(out)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     for (name, a), (_, b) in zip(straight.teacher.model.named_parameters(), resumed.teacher.model.named_parameters()):
         assert a.equal(b), name
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert a.equal(b), name
     assert log_history(resumed, "loss") == log_history(straight, "loss")  # steps 1-2 come from the checkpoint
-    final = load_file(tmp_path / "resumed" / "checkpoint-4" / SelfTeacher.EMA_FILE)
+    final = load_file(out / "checkpoint-4" / SelfTeacher.EMA_FILE)
     reference = load_file(tmp_path / "straight" / "checkpoint-4" / SelfTeacher.EMA_FILE)
-    assert all(final[k].equal(reference[k]) for k in reference)
+    assert final.keys() == reference.keys() and all(final[k].equal(reference[k]) for k in reference)
+    for name in ("steps.jsonl", "states.jsonl"):
+        ledger = (out / "statelens" / name).read_bytes()
+        assert ledger == (tmp_path / "straight" / "statelens" / name).read_bytes(), name
+    assert b'"teacher_prompt"' in (out / "statelens" / "states.jsonl").read_bytes()
 
 
 # ----- live and PEFT: no copy ---------------------------------------------------------------------------------------

@@ -77,8 +77,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
-            when the `dataset` state source is used, and `privileged_context` with `args.teacher_model_kind`. Image datasets (an `image` or `images` column, what GRPO reads
-            images from) are refused: neither the loss nor the teacher would see the images.
+            when the `dataset` state source is used, and `privileged_context` with `args.teacher_model_kind`. Image
+            datasets (an `image` or `images` column, what GRPO reads images from) are refused: neither the loss nor
+            the teacher would see the images.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
             `args.reward_weight`.
         eval_dataset, processing_class, callbacks, optimizers, peft_config, state_logging: as for
@@ -201,10 +202,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             and self.args.reference_column not in self._signature_columns
         ):
             self._signature_columns = [*self._signature_columns, self.args.reference_column]
-        for column in (
-            "teacher_id",
-            "privileged_context",
-        ):  # each row's teacher, with several; a self teacher's context
+        # Each row's teacher (with several) and its privileged context (a self teacher's prompt)
+        for column in ("teacher_id", "privileged_context"):
             if column not in self._signature_columns:
                 self._signature_columns = [*self._signature_columns, column]
 

@@ -319,6 +319,8 @@ def compute_counts(trainer) -> dict:
     """
     student = matmul_parameters(trainer.model)
     teacher = matmul_parameters(getattr(trainer, "teacher_model", None))
+    if getattr(getattr(trainer, "teacher", None), "reads_own_prompts", False):
+        teacher = student  # a self teacher is the student's size (its privileged context's extra tokens not counted)
     args = trainer.args
     per_token, per_supervised = 6 * student, 0
     if hasattr(args, "num_generations") or hasattr(trainer, "teacher_model"):  # the learner samples its rollouts

@@ -5,8 +5,8 @@ SVG, no library, no network), so it works opened from disk. It shows:
 
 - sequences sampled from each run's `statelens/states.jsonl`: the prompt in grey (beside it, when the teacher read a
   prompt of its own, as a self teacher shown privileged context does, that prompt and its extra tokens), then each
-  supervised token coloured by the chosen quantity (state source, learner log-prob, teacher log-prob, the gap `log p_S - log p_T`, weight or
-  advantage, entropy); hovering a token shows its values and prefix length;
+  supervised token coloured by the chosen quantity (state source, learner log-prob, teacher log-prob, the gap
+  `log p_S - log p_T`, weight or advantage, entropy); hovering a token shows its values and prefix length;
 - filters by run, step range, source and reward, and a sort by off-policy gap or teacher KL, 40 sequences a page;
 - per run, the prefix-length histogram over steps as a heatmap (from `steps.jsonl`), and state and drift metrics
   over steps; dragging across a chart or the heatmap sets the step filter, double-click clears it.
@@ -497,7 +497,10 @@ function promptBlock(text, label) {  // the prompt's last 300 characters; a clic
   const tail = 300;
   const labelled = (...parts) => {
     block.replaceChildren();
-    if (label) { const l = document.createElement("span"); l.className = "prompt-label"; l.textContent = label; block.append(l); }
+    if (label) {
+      const caption = document.createElement("span");
+      caption.className = "prompt-label"; caption.textContent = label; block.append(caption);
+    }
     block.append(...parts);
   };
   if (text.length > tail) {
