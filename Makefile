@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study two-teachers clean
+.PHONY: install test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study two-teachers self-distill-study clean
 
 install: $(STAMP)
 
@@ -92,6 +92,12 @@ forgetting-study: $(STAMP)
 # recipes/two_teachers.py says what it runs). Skips runs whose results.json exists.
 two-teachers: $(STAMP)
 	$(BIN)/python recipes/two_teachers.py --seeds 0 1 --jobs 2 --out runs/two-teachers
+
+# Issue 28: lab math learned from reference solutions by SFT or by self-distillation (each signal), settings chosen on
+# the dev split by the rule pre-registered in STUDY.md, then 3 seeds on the test split; skips finished runs.
+# Estimated 14 minutes on 2 quiet cores; `--dry_run` prints the runs and the estimate.
+self-distill-study: $(STAMP)
+	$(BIN)/python recipes/self_distill_study.py --jobs 2 --out runs/self-distill-study
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

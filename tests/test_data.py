@@ -116,8 +116,9 @@ def test_gold_answers_of_all_real_gsm8k_rows():
 # ----- load_gsm8k -------------------------------------------------------------------------------------------------
 def test_plain_format_matches_lab_format(tmp_path):
     data = load_gsm8k(write_jsonl(tmp_path / "test.jsonl", ROWS), "test")
-    assert data.column_names == ["prompt", "completion", "question", "answer", "ground_truth"]
+    assert data.column_names == ["prompt", "completion", "question", "answer", "ground_truth", "privileged_context"]
     for row, source in zip(data, ROWS):
+        assert row["privileged_context"] == source["answer"]  # a self teacher's context: the reference solution
         assert row["prompt"] == format_plain(source["question"])
         assert row["completion"].startswith(" ")
         assert row["prompt"] + row["completion"] == format_plain(source["question"], source["answer"])

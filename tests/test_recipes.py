@@ -200,8 +200,8 @@ CONFIG_TYPES = {
 
 def recipe_of(config_path: Path) -> str:
     name = config_path.stem
-    if name.startswith("opd"):
-        return "opd"
+    if name.startswith(("opd", "self_distill")):
+        return name if name == "self_distill" else "opd"
     return "eval" if "eval" in name else ("grpo" if "grpo" in name else "sft")
 
 
@@ -211,8 +211,9 @@ def recipe_of(config_path: Path) -> str:
 def test_every_config_parses_into_its_recipe_types(config):
     recipe = recipe_of(config)
     namespace = runpy.run_path(str(RECIPES / f"{recipe}.py"))
-    script_type = next(v for k, v in namespace.items() if k.endswith("ScriptArguments"))
-    training_type = {"sft": SFTConfig, "grpo": GRPOConfig, "opd": OnPolicyDistillConfig}.get(recipe)
+    script_type = next((v for k, v in namespace.items() if k.endswith("ScriptArguments")), RecipeArguments)
+    training_type = {"sft": SFTConfig, "grpo": GRPOConfig, "opd": OnPolicyDistillConfig,
+                     "self_distill": OnPolicyDistillConfig}.get(recipe)  # fmt: skip
     types = (script_type, training_type, ModelConfig) if training_type else (script_type, ModelConfig)
     raw = yaml.safe_load(config.read_text())
     # GPU configs ask for bf16, which TrainingArguments refuses on a machine without a GPU: parse them as on CPU
@@ -382,3 +383,34 @@ def test_lora_sft_teacher_under_zero3(tmp_path, monkeypatch, student_path, confi
         assert saved["weights"].keys() == expected.keys()
         for name, weight in expected.items():
             assert torch.equal(saved["weights"][name], weight), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("baseline", ["statelens", "stock"])
+def test_self_distill_recipe_writes_results_and_ledger(tmp_path, monkeypatch, student_path, baseline):
+    """recipes/self_distill.py: the student as its own teacher behind the reference solution (the data's
+    `privileged_context`), or TRL's SDFTTrainer on the same run; every signal it maps runs stock."""
+    out = tmp_path / f"self_distill_{baseline}"
+    argv = ["--model_name_or_path", str(student_path), "--output_dir", str(out), "--baseline", baseline,
+            *TINY_RUN, "--per_device_train_batch_size", "4", "--num_generations", "1",
+            "--max_completion_length", "8"]  # fmt: skip
+    results = run_in_process("self_distill", argv, monkeypatch)
+    assert results["trainer"] == ("SDFTTrainer" if baseline == "stock" else "OnPolicyDistillTrainer")
+    assert results["recipe"] == "self_distill" and results["global_steps"] == 2
+    assert set(results["after"]["scores"]) == {"gsm8k", "truthfulqa", "mmlu"} and results["retention"]
+    drift = [json.loads(line) for line in (out / "statelens" / "drift.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in drift] == [1, 2] and drift[-1]["base_kl"] is not None
+    history = json.loads((out / "log_history.json").read_text())
+    if baseline == "stock":  # TRL's own loss metric, no ledger
+        assert any("self_distillation/distillation_loss" in entry for entry in history)
+        assert not (out / "statelens" / "steps.jsonl").exists()
+        return
+    steps = [json.loads(line) for line in (out / "statelens" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["source_frac/learner"] == 1.0 for s in steps)
+    assert any("teacher_kl" in entry for entry in history)
+    # the ledger's sequences carry the teacher's privileged prompt: the config's one-shot of the same problem
+    states = [json.loads(line) for line in (out / "statelens" / "states.jsonl").read_text().splitlines()]
+    with_prompt = [s for s in states if "teacher_prompt" in s]
+    assert with_prompt and all(s["teacher_context_len"] > 0 for s in with_prompt)
+    first = with_prompt[0]
+    assert first["teacher_prompt"].count("Question:") == 2 and "####" in first["teacher_prompt"]

@@ -19,7 +19,9 @@ Prompt formats:
 
 Every row keeps ``question`` and ``answer`` (the worked solution) and adds ``ground_truth``, the normalised
 final answer, so reward functions such as :func:`trl_statelens.rewards.gsm8k_accuracy_reward` receive it as a
-column.
+column, and ``privileged_context``, the worked solution again under the column name TRL's self-distillation trainers
+(``trl.experimental.sdft``) and ``OnPolicyDistillConfig.teacher_model_kind`` read: what a self teacher sees and
+the student does not.
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def chat_prompt(question: str, shots: list[dict] = ()) -> list[dict]:
 
 
 def gsm8k_example(row: dict, prompt_format: str = "plain", shots: list[dict] = ()) -> dict:
-    """One prompt/completion example, keeping ``question``, ``answer`` and the ``ground_truth`` final answer."""
+    """One prompt/completion example, keeping ``question``, ``answer``, the ``ground_truth`` final answer and the
+    worked solution as ``privileged_context``."""
     if prompt_format == "plain":
         prompt, completion = plain_prompt(row["question"], shots), " " + row["answer"]
     elif prompt_format == "chat":
@@ -193,6 +196,7 @@ def gsm8k_example(row: dict, prompt_format: str = "plain", shots: list[dict] = (
         "question": row["question"],
         "answer": row["answer"],
         "ground_truth": extract_answer(row["answer"], "strict"),
+        "privileged_context": row["answer"],  # the reference solution, shown to a self teacher only
     }
 
 
@@ -254,7 +258,8 @@ def load_gsm8k(
         lab_seed: seed of the :class:`~trl_statelens.lab.LabWorld` when ``source="lab"``.
 
     Returns:
-        A data set with columns ``prompt``, ``completion``, ``question``, ``answer`` and ``ground_truth``.
+        A data set with columns ``prompt``, ``completion``, ``question``, ``answer``, ``ground_truth`` and
+        ``privileged_context`` (the worked solution, for a self teacher).
     """
     examples = gsm8k_examples(
         source, split, prompt_format=prompt_format, num_shots=num_shots, limit=limit, seed=seed, lab_seed=lab_seed
