@@ -90,7 +90,7 @@ def teacher_and_student(trainer):
 
 
 def max_diff(a, b):
-    assert a.keys() == b.keys(), (a.keys() ^ b.keys())
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
