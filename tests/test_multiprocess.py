@@ -198,11 +198,14 @@ def test_another_runs_ledger_is_refused_on_every_rank(tmp_path, student_path):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_zero3_self_teachers_without_a_copy_train_and_a_copy_is_refused(tmp_path, student_path):
+def test_zero3_self_teachers_train_with_and_without_a_copy(tmp_path, student_path):
     """A live self teacher under ZeRO-3 is the partitioned student (scoring through its parameter hooks, generating
     through its engine, a second forward inside its own for divergence): two steps per signal with teacher states in
-    the mix, the same on both ranks; a LoRA student's base teacher (adapter disabled, no copy) with divergence; an EMA
-    self teacher, a copy of the partitioned student, is refused clearly."""
+    the mix, the same on both ranks; a LoRA student's base teacher (adapter disabled, no copy) with divergence. A
+    full-weight student's base and EMA teachers are a copy loaded again from its path, a ZeRO-3 engine of their own:
+    base reads the student's weights exactly (teacher_kl 0 with an empty context); the EMA follows its update rule on
+    gathered weights, is checkpointed whole and resumed; a student given as an instance is refused for a copy, and so
+    is a LoRA student's EMA."""
     accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
     command = [
@@ -221,10 +224,23 @@ def test_zero3_self_teachers_without_a_copy_train_and_a_copy_is_refused(tmp_path
         pytest.fail(f"ZeRO-3 ranks did not finish in 600 s: {stderr[-2000:]}")
     assert launch.returncode == 0, stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
-    assert ranks[0] == ranks[1]  # metrics are gathered: both ranks log the same
+    assert ranks[0] == ranks[1]  # metrics are gathered, weights compared whole: both ranks report the same
     assert (ranks[0]["world_size"], ranks[0]["zero_stage"]) == (2, 3)
     for signal_name in ("reverse_kl", "divergence", "continuation", "lora_base"):
         run = ranks[0][signal_name]
         assert run["global_step"] == 2 and len(run["teacher_kl"]) == 2
         assert run["teacher_kl"][0] != 0.0  # the privileged context changes what the teacher predicts
-    assert "teacher_model_kind='ema' under DeepSpeed ZeRO-3" in ranks[0]["ema"]
+    for rank in ranks:
+        base = rank["full_base"]
+        assert base["global_step"] == 1 and base["teacher_engine"] == "DeepSpeedEngine"
+        assert not base["teacher_is_student"]
+        assert base["teacher_kl"] == [0.0]  # the copy is the student's weights, and reads the student's prompt
+        ema = rank["ema"]
+        assert ema["global_step"] == 1 and ema["resumed_global_step"] == 2
+        assert ema["teacher_engine"] == "DeepSpeedEngine"
+        assert ema["moved"] > 1e-6  # the step moved the average...
+        assert ema["update_rule_diff"] < 1e-6  # ...to (1 - r) * initial + r * student, on every partition
+        assert ema["saved_diff"] == 0.0  # the checkpoint holds the whole average
+        assert ema["resumed_diff"] < 1e-6  # resumed from the saved average, not from the path's weights
+        assert "Pass the student as a path" in rank["instance_base"]
+        assert "'ema' with a PEFT student under DeepSpeed ZeRO-3" in rank["lora_ema"]

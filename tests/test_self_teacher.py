@@ -318,6 +318,77 @@ def test_peft_base_teacher_is_the_student_with_its_adapter_disabled(tmp_path, ma
     assert not torch.allclose(student, logits, atol=1e-3)
 
 
+# ----- PEFT with EMA: an average over the adapter only -------------------------------------------------------------
+def lora_ema_trainer(output_dir, model_path, data, **kwargs):
+    from peft import LoraConfig
+
+    args = opd_config(output_dir, teacher_model_kind="ema", teacher_update_rate=0.25, learning_rate=5e-2, **kwargs)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return OnPolicyDistillTrainer(
+        model=str(model_path), args=args, train_dataset=data, peft_config=lora, state_logging=False
+    )
+
+
+def test_peft_ema_teacher_averages_the_adapter_and_scores_with_it(tmp_path, math_trained_path, math_dataset):
+    """One adapter copy, no model copy; after a step it is (1 - r) * initial + r * adapter, exactly; the teacher
+    scores with it swapped into the student, which has its own adapter back after. `divergence`: the teacher runs
+    while the student's graph is alive, and the step's backward must still work."""
+    data = with_context(math_dataset)
+    trainer = lora_ema_trainer(tmp_path, math_trained_path, data, signal="divergence")
+    average = trainer.teacher._adapter_average
+    trained = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainer.teacher.model is trainer.model and average.keys() == trained.keys()
+    assert all("lora_" in name for name in average)  # the adapter only: the frozen base is shared
+    start = {name: t.clone() for name, t in average.items()}
+    trainer.train()
+    assert log_history(trainer, "grad_norm")[0] > 0
+    for name, param in trained.items():
+        torch.testing.assert_close(average[name], torch.lerp(start[name], param.detach(), 0.25), atol=0, rtol=0)
+    assert any(not average[name].equal(start[name]) for name in average)
+
+    # the teacher's log-probs are the student module's with the averaged adapter written in
+    tokenizer = trainer._tokenizer
+    prompt = tokenizer(math_dataset["prompt"][0])["input_ids"]
+    completion = tokenizer(math_dataset["completion"][0])["input_ids"]
+    trainer.model.eval()
+    own = {name: param.detach().clone() for name, param in trained.items()}
+    rows = trainer.teacher.score([prompt], [completion])
+    assert all(param.equal(own[name]) for name, param in trained.items())  # the student's adapter is back
+    ids = torch.tensor([prompt + completion])
+    scores = resolve_rows(rows, ids[:, len(prompt) :], torch.ones_like(ids[:, len(prompt) :])).logps[0]
+
+    def logps():
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.temperature
+        return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+    student = logps()
+    with torch.no_grad():
+        for name, param in trained.items():
+            param.copy_(average[name])
+    torch.testing.assert_close(scores, logps(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(scores, student, atol=1e-4)  # not the student's own adapter
+
+
+def test_peft_ema_teacher_resumes_from_its_checkpoint(tmp_path, math_trained_path, math_dataset):
+    """Two steps straight, checkpointed after each; resumed from checkpoint-1 in another run: the same adapter average
+    (and student) as the straight run's, exactly. Without the average in the checkpoint it would restart from the
+    adapter's initial weights."""
+    data = with_context(math_dataset)
+    kwargs = dict(max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=1)
+    straight = lora_ema_trainer(tmp_path / "straight", math_trained_path, data, **kwargs)
+    straight.train()
+    saved = load_file(tmp_path / "straight" / "checkpoint-1" / SelfTeacher.EMA_FILE)
+    assert saved.keys() == straight.teacher._adapter_average.keys()
+    resumed = lora_ema_trainer(tmp_path / "resumed", math_trained_path, data, **kwargs)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))
+    assert resumed.state.global_step == 2
+    for name, average in straight.teacher._adapter_average.items():
+        assert resumed.teacher._adapter_average[name].equal(average), name
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert a.equal(b), name
+
+
 # ----- refused clearly --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, message",

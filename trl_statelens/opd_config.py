@@ -104,9 +104,12 @@ class OnPolicyDistillConfig(GRPOConfig):
               with its adapter disabled, no copy);
             - `"live"`: the current student weights, without gradient (no copy; in the student's own train/eval mode,
               so with its dropout unless `disable_dropout`);
-            - `"ema"`: an exponential moving average of the student's weights (one copy), started at the student's
-              and updated after every optimizer step with `teacher_update_rate`; saved in each checkpoint and restored
-              on resume.
+            - `"ema"`: an exponential moving average of the student's weights (one copy; for a PEFT student, of its
+              adapter only), started at the student's and updated after every optimizer step with
+              `teacher_update_rate`; saved in each checkpoint and restored on resume.
+
+            Under DeepSpeed ZeRO-3 the copy of a full-weight student (`"base"`, `"ema"`) is loaded again from the
+            student's path (a student given as an instance is refused there); a PEFT student's `"ema"` is refused.
 
             The training dataset needs a `privileged_context` column. Every signal and state source works: the teacher
             scores (`reverse_kl`, `divergence`) or writes (`continuation`, the `teacher` state source) after its own

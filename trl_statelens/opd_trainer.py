@@ -169,7 +169,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._forward_redirection = _ForwardRedirection()
         # Everything the trainer asks of its teacher goes through `self.teacher` (`teachers.py`)
         if args.teacher_model_kind is not None:
-            self.teacher = SelfTeacher(self)
+            # The student's path, to load its copy again under ZeRO-3 (an instance has none)
+            self.teacher = SelfTeacher(self, model if isinstance(model, str) else None)
         elif isinstance(teacher_model, dict):
             self.teacher = TeacherRouter.connect(self, loaded_teachers)
         elif args.teacher_model_server_url is not None:

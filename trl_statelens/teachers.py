@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 import torch
 from accelerate.utils import is_peft_model
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.utils.peft_utils import find_adapter_config_file
 from trl.data_utils import is_conversational
@@ -358,46 +359,65 @@ class SelfTeacher(InProcessTeacher):
     - `"live"`: the student itself under `no_grad`, no copy (generation through the trainer's wrapped model, which
       under ZeRO-3 gathers the student's shards as GRPO's own generation does);
     - `"ema"`: a frozen copy moved toward the student after every optimizer step by `args.teacher_update_rate`,
-      written into each checkpoint and read back on resume.
+      written into each checkpoint and read back on resume; for a PEFT student, an average of its trained (adapter)
+      parameters only, swapped into the student module for the teacher's calls (the base is shared and frozen).
 
-    Under ZeRO-3 the student is partitioned before this is made, so a copy would hold empty shards: a copy (`"ema"`,
-    `"base"` of a full student) is refused there. A PEFT student with `"ema"` is refused too (it would need an
-    averaged adapter, which is not built).
+    Under DeepSpeed ZeRO-3 the student is partitioned before this is made, so a deep copy would hold empty shards:
+    the copy (`"base"`, `"ema"` of a full-weight student) is loaded again from the student's path, as the student was
+    (partitioned as it loads, as TRL loads GRPO's reference model), and prepared as an in-process teacher is; the
+    average is then taken on gathered parameters. A student given as a model instance has no path to load: refused
+    there. A PEFT student's `"ema"` is refused under ZeRO-3 (its adapter is partitioned too: the swap needs it whole).
 
     Args:
         trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
+        student_path (`str`, *optional*): where the student was loaded from (its path or hub id), to load the copy
+            under ZeRO-3; `None` for a student given as a model instance.
     """
 
     reads_own_prompts = True
     EMA_FILE = "statelens_ema_teacher.safetensors"
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, student_path: str | None = None):
         args = trainer.args
         self.kind, self.template = args.teacher_model_kind, args.teacher_prompt_template
         student = trainer.model
         peft = is_peft_model(student)
-        # No copy: the teacher is the student module itself (the one every wrapper holds), read without gradient
-        self.shares_student = self.kind == "live" or (self.kind == "base" and peft)
+        zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+        self.zero3 = zero3
+        self._adapter_average = None  # name -> averaged tensor, for a PEFT student's "ema"
+        # No copy: the teacher is the student module itself (the one every wrapper holds), read without gradient; a
+        # PEFT student's "ema" keeps one copy of its adapter only
+        self.shares_student = self.kind == "live" or peft
         if self.shares_student:
             self.trainer, self.model = trainer, student
+            if self.kind == "ema":
+                if zero3:
+                    raise ValueError(
+                        "teacher_model_kind='ema' with a PEFT student under DeepSpeed ZeRO-3: the averaged adapter is "
+                        "swapped into the student module for the teacher's calls, which needs the adapter whole, and "
+                        "ZeRO-3 partitions it. Use ZeRO-2 (an adapter is small: partitioning it saves little), or "
+                        "teacher_model_kind='base' (adapter disabled) or 'live'"
+                    )
+                # The parameters the optimizer trains (the adapter, and any `modules_to_save` copies); the base is
+                # frozen, so it is the same for student and teacher and is not copied
+                self._trained = [(name, p) for name, p in student.named_parameters() if p.requires_grad]
+                self._adapter_average = {name: p.detach().clone() for name, p in self._trained}
+                trainer.add_callback(_MovingAverage(self, args.teacher_update_rate))
             return
-        if peft:
-            raise ValueError(
-                "teacher_model_kind='ema' with a PEFT student is not supported: the average would have to be kept "
-                "over the adapter alone. Use teacher_model_kind='base' (the base model, adapter disabled, no copy) or "
-                "'live', or train the full model"
-            )
-        if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError(
-                f"teacher_model_kind={self.kind!r} under DeepSpeed ZeRO-3: the student is already partitioned across "
-                "processes when the teacher is made, so a copy of it would hold empty shards. Use "
-                "teacher_model_kind='live' (no copy), a LoRA student with 'base' (its base, adapter disabled), or "
-                "ZeRO-2"
-            )
-        teacher = copy.deepcopy(student)
-        # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward: the
-        # copy would call the student's. Drop it; `InProcessTeacher` adds the head to the copy itself.
-        teacher.__dict__.pop("forward", None)
+        if zero3:
+            if student_path is None:
+                raise ValueError(
+                    f"teacher_model_kind={self.kind!r} under DeepSpeed ZeRO-3 with a student given as a model "
+                    "instance: the student is already partitioned across processes, so the teacher's copy is loaded "
+                    "again from the student's path, and an instance has none. Pass the student as a path or hub id "
+                    "(model='path/to/model'), or use teacher_model_kind='live' (no copy)"
+                )
+            teacher = _load_like_student(student_path, args)
+        else:
+            teacher = copy.deepcopy(student)
+            # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward:
+            # the copy would call the student's. Drop it; `InProcessTeacher` adds the head to the copy itself.
+            teacher.__dict__.pop("forward", None)
         super().__init__(trainer, teacher)
         if self.kind == "ema":
             trainer.add_callback(_MovingAverage(self, args.teacher_update_rate))
@@ -408,10 +428,59 @@ class SelfTeacher(InProcessTeacher):
         return self.trainer.model_wrapped if self.shares_student else self.model
 
     def _weights(self):
-        """The teacher's weights for the call: a PEFT student's base with its adapter off for `"base"`."""
+        """The teacher's weights for the call: a PEFT student's base with its adapter off for `"base"`, its averaged
+        adapter swapped in for `"ema"`."""
         if self.kind == "base" and self.shares_student:
             return self.trainer.accelerator.unwrap_model(self.model).disable_adapter()
+        if self._adapter_average is not None:
+            return self._averaged_adapter()
         return nullcontext()
+
+    @contextmanager
+    def _averaged_adapter(self):
+        """The averaged adapter in the student's parameters for the duration, the student's own back after.
+
+        The tensors are exchanged (`param.data` re-pointed, nothing copied, so no second adapter copy is made) rather
+        than written in place: in the `divergence` loss the teacher runs while the student's graph is alive, and an
+        in-place write would bump the parameters' version counters and fail its backward. The student's values are
+        back before that backward runs."""
+        average = self._adapter_average
+        with torch.no_grad():
+            for name, param in self._trained:
+                param.data, average[name] = average[name], param.data
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self._trained:
+                    param.data, average[name] = average[name], param.data
+
+    def update_average(self, rate: float) -> None:
+        """`teacher <- (1 - rate) * teacher + rate * student`, after an optimizer step (on every process: each holds
+        its own copy, or its partitions of it under ZeRO-3)."""
+        with torch.no_grad():
+            if self._adapter_average is not None:
+                for name, param in self._trained:
+                    self._adapter_average[name].lerp_(param.detach(), rate)
+                return
+            student = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            # The copy holds the student's parameters in the same order (tied ones once)
+            pairs = zip(self._unwrapped().named_parameters(), student.named_parameters(), strict=True)
+            for (name, averaged), (student_name, current) in pairs:
+                assert name == student_name, (name, student_name)
+                # Under ZeRO-3, one pair of parameters gathered at a time (never two whole models on a process); the
+                # main process's result is broadcast back into every process's partition of the teacher
+                with self._gathered(current), self._gathered(averaged, modifier_rank=0):
+                    if not self.zero3 or self.trainer.accelerator.is_main_process:
+                        averaged.lerp_(current.detach().to(averaged.dtype), rate)
+
+    def _gathered(self, param, modifier_rank=None):
+        """`param` whole on every process for the duration under ZeRO-3 (a collective); nothing otherwise."""
+        if not self.zero3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([param], modifier_rank=modifier_rank)
 
     def prompts(self, student_prompts, rows):
         missing = [i for i, row in enumerate(rows) if row.get("privileged_context") is None]
@@ -458,9 +527,22 @@ class SelfTeacher(InProcessTeacher):
         with self._weights():
             return super().divergence_loss(student, student_hidden, batch, loss_mask, normalizer, beta, temperature)
 
+    def _averaged_weights(self):
+        """`(name, tensor)` of what the average holds: the adapter's average, or the copy's parameters."""
+        if self._adapter_average is not None:
+            return list(self._adapter_average.items())
+        return list(self._unwrapped().named_parameters())
+
     def save_state(self, output_dir):
-        if self.kind == "ema" and self.trainer.args.should_save:  # every process holds the same average
-            weights = {name: p.detach().contiguous() for name, p in self._unwrapped().named_parameters()}
+        if self.kind != "ema":
+            return
+        should_save = self.trainer.args.should_save  # every process holds the same average: one writes it
+        weights = {}
+        for name, param in self._averaged_weights():
+            with self._gathered(param):  # collective under ZeRO-3: every process joins, one keeps the whole tensor
+                if should_save:
+                    weights[name] = param.detach().to("cpu", copy=True).contiguous()
+        if should_save:
             save_file(weights, str(Path(output_dir) / self.EMA_FILE))
 
     def load_state(self, checkpoint):
@@ -472,30 +554,40 @@ class SelfTeacher(InProcessTeacher):
                 f"{path} not found: {checkpoint} holds no EMA teacher, so this run cannot resume the one it averaged "
                 "(a checkpoint from a run without teacher_model_kind='ema'?)"
             )
-        saved = load_file(str(path))
-        with torch.no_grad():
-            for name, param in self._unwrapped().named_parameters():
-                param.copy_(saved[name])
+        # Under ZeRO-3 the main process reads each tensor into the gathered parameter and it is broadcast into every
+        # process's partition; otherwise each process reads it into its own copy
+        reads = not self.zero3 or self.trainer.accelerator.is_main_process
+        saved = safe_open(str(path), framework="pt") if reads else nullcontext()
+        with saved as tensors, torch.no_grad():
+            for name, param in self._averaged_weights():
+                with self._gathered(param, modifier_rank=0):
+                    if reads:
+                        param.copy_(tensors.get_tensor(name))
 
     def _unwrapped(self):
         return self.trainer.accelerator.unwrap_model(self.model)
 
 
 class _MovingAverage(TrainerCallback):
-    """After every optimizer step, `teacher <- (1 - rate) * teacher + rate * student`, parameter by parameter (the
-    copy holds the student's parameters in the same order, tied ones once)."""
+    """After every optimizer step, `teacher <- (1 - rate) * teacher + rate * student`
+    ([`SelfTeacher.update_average`])."""
 
     def __init__(self, teacher: SelfTeacher, rate: float):
         self.teacher, self.rate = teacher, rate
 
-    @torch.no_grad()
     def on_step_end(self, args, state, control, **kwargs):
-        trainer = self.teacher.trainer
-        student = trainer.accelerator.unwrap_model(trainer.model)
-        pairs = zip(self.teacher._unwrapped().named_parameters(), student.named_parameters(), strict=True)
-        for (name, averaged), (student_name, current) in pairs:
-            assert name == student_name, (name, student_name)
-            averaged.lerp_(current.detach().to(averaged.dtype), self.rate)
+        self.teacher.update_average(self.rate)
+
+
+def _load_like_student(path: str, args) -> PreTrainedModel:
+    """The student's weights loaded again from `path` with the student's own settings (`args.model_init_kwargs`, as
+    GRPO loaded it), for a self teacher's copy under ZeRO-3. Loaded inside the run's ZeRO-3 init, as TRL loads GRPO's
+    reference model: partitioned as it loads (a collective; every process builds the trainer), so no process ever
+    holds a whole second model."""
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs["device_map"] = None  # ZeRO-3 rejects a device map
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return create_model_from_path(path, **kwargs)
 
 
 def _as_text(value) -> str:
