@@ -43,9 +43,10 @@ $(STAMP): $(CORE)
 	fi
 	touch $(STAMP)
 
-# On every core (most tests run one torch thread), a file's tests on one worker so its fixtures are built once
+# On every core (most tests run one torch thread), a file's tests on one worker so its fixtures are built once, the
+# longest files first (tests/conftest.py orders them)
 test: $(STAMP)
-	$(BIN)/pytest -q -n auto --dist loadfile
+	$(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check trl_statelens tests recipes bench

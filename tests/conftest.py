@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+from cpu_settings import WORKER_THREADS
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -12,6 +14,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["WANDB_DISABLED"] = "true"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["TQDM_DISABLE"] = "1"
+os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))  # read by torch below and by every subprocess
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="statelens-tests-trackio-")  # read when trackio is imported
 atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
@@ -23,6 +26,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl_statelens.lab import LabWorld, build_model, build_tokenizer, format_plain  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: one thread per process beats two fighting over 2 cores
+
+# `make test` hands whole files to its workers in collection order (`--dist loadfile --no-loadscope-reorder`): the
+# files that take minutes go first, longest first (durations from a clean-clone run), so that no worker is left
+# running a study's smoke chain alone at the end. The rest keep pytest's order.
+SLOWEST_FILES_FIRST = (
+    "test_real_model.py",
+    "test_multiprocess.py",
+    "test_recipes.py",
+    "test_study_lab.py",
+    "test_resume.py",
+    "test_served_teacher.py",
+    "test_self_distill_study.py",
+    "test_two_teachers.py",
+    "test_forgetting_study.py",
+    "test_bench_teachers.py",
+    "test_lab.py",
+    "test_gpu_smoke.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
 
 
 @pytest.fixture(scope="session")

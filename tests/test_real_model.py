@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_settings import CPU
+from cpu_settings import CPU, WORKER_THREADS
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
@@ -45,9 +45,10 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="
 # ----- fixtures ----------------------------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def two_threads():
-    """A 135M-parameter model's matmuls use both cores (conftest sets one thread for the tiny models elsewhere)."""
+    """A 135M-parameter model's matmuls use both cores when this process has them (conftest sets one thread for the
+    tiny models elsewhere); under `make test`'s two workers, one each."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(min(2, WORKER_THREADS))
     yield
     torch.set_num_threads(threads)
 
