@@ -55,7 +55,7 @@ lint: $(STAMP)
 lab: $(CORE)
 	$(BIN)/statelens lab build
 
-# The main job: on-policy distillation of the lab math teacher into the lab base model (builds the lab on first use).
+# The main job: on-policy distillation of the lab math teacher into the lab base model (copies the lab the clone ships on first use).
 # `accelerate launch` with a config that does not say `use_cpu: true` gives a CPU run one thread
 # (OMP_NUM_THREADS=1) unless told otherwise: on 2 cores that makes the lab build 1.7x slower.
 THREADS ?= $(shell nproc 2>/dev/null || echo 1)
