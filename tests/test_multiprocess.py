@@ -28,6 +28,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launch_zero3(script: str, *args, timeout: int, hang: str) -> None:
+    """`accelerate launch` two ZeRO-3 ranks of `tests/scripts/<script>` with `args`, asserting that it exits 0. A run
+    still going after `timeout` s is killed whole (the launcher and both ranks share its new session) and fails with
+    `hang`, as a deadlock of the ranks' collectives would."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
+    command = [
+        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
+        "--main_process_port", str(free_port()), str(SCRIPT.parent / script), *map(str, args),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        _, stderr = launch.communicate()
+        pytest.fail(f"{hang}: {stderr[-2000:]}")
+    assert launch.returncode == 0, stderr[-4000:]
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
@@ -79,25 +101,13 @@ def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
 def test_zero3_opd_with_teacher_states_when_a_rank_draws_none(tmp_path, student_path):
     """Every rank takes part in teacher generation (a ZeRO-3 collective) even on batches where it drew no teacher
     row: the run finishes instead of waiting forever."""
-    accelerate = Path(sys.executable).parent / "accelerate"
-    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
-    command = [
-        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
-        "--main_process_port", str(free_port()), str(SCRIPT.parent / "opd_zero3_teacher_mix.py"), str(student_path),
-        str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = launch.communicate(timeout=480)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)  # the launcher and both ranks: they share its new session
-        _, stderr = launch.communicate()
-        pytest.fail(
-            f"ZeRO-3 ranks deadlocked (no exit in 480 s; a loaded 2-core machine once took 246 s): {stderr[-2000:]}"
-        )
-    assert launch.returncode == 0, stderr[-4000:]
+    launch_zero3(
+        "opd_zero3_teacher_mix.py",
+        student_path,
+        tmp_path,
+        timeout=480,
+        hang="ZeRO-3 ranks deadlocked (no exit in 480 s; a loaded 2-core machine once took 246 s)",
+    )
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for rank in ranks:
         assert (rank["world_size"], rank["zero_stage"], rank["global_step"]) == (2, 3, 2)
@@ -112,23 +122,14 @@ def test_zero3_opd_with_two_teachers_when_the_ranks_draw_different_ones(tmp_path
     """Two in-process teachers under ZeRO-3, each row routed by its `teacher_id`: on a step where one rank has only
     teacher a's rows and the other only teacher b's, each teacher's collectives (scoring, generation for teacher
     states, the divergence loss) are joined by the rank without its rows, and the run finishes."""
-    accelerate = Path(sys.executable).parent / "accelerate"
-    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
-    command = [
-        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
-        "--main_process_port", str(free_port()), str(SCRIPT.parent / "opd_zero3_two_teachers.py"), str(student_path),
-        str(teacher_path), str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = launch.communicate(timeout=480)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)  # the launcher and both ranks: they share its new session
-        _, stderr = launch.communicate()
-        pytest.fail(f"ZeRO-3 ranks deadlocked with two teachers (no exit in 480 s): {stderr[-2000:]}")
-    assert launch.returncode == 0, stderr[-4000:]
+    launch_zero3(
+        "opd_zero3_two_teachers.py",
+        student_path,
+        teacher_path,
+        tmp_path,
+        timeout=480,
+        hang="ZeRO-3 ranks deadlocked with two teachers (no exit in 480 s)",
+    )
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
 
     def read(path):
@@ -206,23 +207,13 @@ def test_zero3_self_teachers_train_with_and_without_a_copy(tmp_path, student_pat
     base reads the student's weights exactly (teacher_kl 0 with an empty context); the EMA follows its update rule on
     gathered weights, is checkpointed whole and resumed; a student given as an instance is refused for a copy, and so
     is a LoRA student's EMA."""
-    accelerate = Path(sys.executable).parent / "accelerate"
-    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
-    command = [
-        str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
-        "--main_process_port", str(free_port()), str(SCRIPT.parent / "opd_zero3_self_teacher.py"), str(student_path),
-        str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = launch.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        _, stderr = launch.communicate()
-        pytest.fail(f"ZeRO-3 ranks did not finish in 600 s: {stderr[-2000:]}")
-    assert launch.returncode == 0, stderr[-4000:]
+    launch_zero3(
+        "opd_zero3_self_teacher.py",
+        student_path,
+        tmp_path,
+        timeout=600,
+        hang="ZeRO-3 ranks did not finish in 600 s",
+    )
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert ranks[0] == ranks[1]  # metrics are gathered, weights compared whole: both ranks report the same
     assert (ranks[0]["world_size"], ranks[0]["zero_stage"]) == (2, 3)
