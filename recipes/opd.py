@@ -26,8 +26,7 @@ from trl_statelens.runs import (
     state_logging_callback,
     with_default_config,
 )
-from trl_statelens.served_teacher import client_without_local_vllm
-from trl_statelens.teachers import connect_served_teacher, load_teacher
+from trl_statelens.teachers import client_without_local_vllm, connect_served_teacher, load_teacher
 
 
 @dataclass

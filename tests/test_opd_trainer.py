@@ -448,11 +448,11 @@ def test_teacher_device_map_under_distributed_training_is_none(
     would put every rank's teacher on the first GPU. Elsewhere TRL's default applies (no device_map passed)."""
     from types import SimpleNamespace
 
-    import trl_statelens.teachers as teachers
+    import trl_statelens.teachers.loading as loading
     from trl_statelens.teachers import load_teacher
 
     seen = {}
-    monkeypatch.setattr(teachers, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(loading, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
     args = opd_config(tmp_path, teacher_model_init_kwargs={"device_map": "auto"} if device_map is None else None)
     args.distributed_state = SimpleNamespace(distributed_type=distributed_type)
     load_teacher(str(teacher_path), args)

@@ -335,7 +335,7 @@ def test_peft_ema_teacher_averages_the_adapter_and_scores_with_it(tmp_path, math
     while the student's graph is alive, and the step's backward must still work."""
     data = with_context(math_dataset)
     trainer = lora_ema_trainer(tmp_path, math_trained_path, data, signal="divergence")
-    average = trainer.teacher._adapter_average
+    average = trainer.teacher.weights.average
     trained = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainer.teacher.model is trainer.model and average.keys() == trained.keys()
     assert all("lora_" in name for name in average)  # the adapter only: the frozen base is shared
@@ -379,12 +379,12 @@ def test_peft_ema_teacher_resumes_from_its_checkpoint(tmp_path, math_trained_pat
     straight = lora_ema_trainer(tmp_path / "straight", math_trained_path, data, **kwargs)
     straight.train()
     saved = load_file(tmp_path / "straight" / "checkpoint-1" / SelfTeacher.EMA_FILE)
-    assert saved.keys() == straight.teacher._adapter_average.keys()
+    assert saved.keys() == straight.teacher.weights.average.keys()
     resumed = lora_ema_trainer(tmp_path / "resumed", math_trained_path, data, **kwargs)
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))
     assert resumed.state.global_step == 2
-    for name, average in straight.teacher._adapter_average.items():
-        assert resumed.teacher._adapter_average[name].equal(average), name
+    for name, average in straight.teacher.weights.average.items():
+        assert resumed.teacher.weights.average[name].equal(average), name
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert a.equal(b), name
 

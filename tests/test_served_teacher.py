@@ -1,4 +1,5 @@
-"""`ServedTeacher` against `tests/vllm_test_server.py`, a CPU stand-in for `vllm serve` speaking vLLM's wire format."""
+"""The served teacher (`TeacherServerClient`, `ServedTeacher`) against `tests/vllm_test_server.py`, a CPU stand-in for
+`vllm serve` speaking vLLM's wire format."""
 
 import json
 import os
@@ -19,7 +20,7 @@ from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.records import source_code
-from trl_statelens.served_teacher import ServedTeacher, TeacherServerError
+from trl_statelens.teachers import TeacherServerClient, TeacherServerError
 
 TWO_RANKS = Path(__file__).parent / "scripts" / "served_teacher_two_ranks.py"
 
@@ -43,7 +44,7 @@ def teacher(teacher_path):
 
 def served(url, tokenizer, **kwargs):
     kwargs = {"timeout": 5.0, "retry_backoff": 0.01, **kwargs}
-    return ServedTeacher(url, tokenizer, len(tokenizer), **kwargs)
+    return TeacherServerClient(url, tokenizer, len(tokenizer), **kwargs)
 
 
 def _sequences(tokenizer):

@@ -31,8 +31,8 @@ from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
 from .teachers import (
     InProcessTeacher,
-    RemoteTeacher,
     SelfTeacher,
+    ServedTeacher,
     TeacherRouter,
     load_teacher,
     load_teachers,
@@ -58,7 +58,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         teacher_model (`str` or `PreTrainedModel`, *optional*): the teacher, an instance or a path/hub id loaded with
             `args.teacher_model_init_kwargs`. It must share the student's tokenizer (TRL's `GOLDTrainer` handles
             cross-tokenizer distillation); its output layer may be padded past the student's with `reverse_kl` and
-            `continuation` (see `teachers._check_same_vocabulary`), not with an in-process `divergence`. It is frozen, kept in eval mode
+            `continuation` (see `teachers.vocabulary.check_same_vocabulary`), not with an in-process `divergence`. It is frozen, kept in eval mode
             and prepared for the same device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a
             vLLM server runs the teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no
             weights are loaded).
@@ -167,16 +167,16 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
         self._pending_teacher_scores = None
         self._forward_redirection = _ForwardRedirection()
-        # Everything the trainer asks of its teacher goes through `self.teacher` (`teachers.py`)
+        # Everything the trainer asks of its teacher goes through `self.teacher` (the `teachers` package)
         if args.teacher_model_kind is not None:
             # The student's path, to load its copy again under ZeRO-3 (an instance has none)
             self.teacher = SelfTeacher(self, model if isinstance(model, str) else None)
         elif isinstance(teacher_model, dict):
             self.teacher = TeacherRouter.connect(self, loaded_teachers)
         elif args.teacher_model_server_url is not None:
-            self.teacher = RemoteTeacher.connect(self, teacher_path)
+            self.teacher = ServedTeacher.connect(self, teacher_path)
         else:
-            self.teacher = InProcessTeacher(self, teacher_model, teacher_path)
+            self.teacher = InProcessTeacher.prepared(self, teacher_model, teacher_path)
         # The prepared model in this process, or None (a served teacher, several teachers), for the probes; a teacher
         # that reads prompts of its own has none to read on the probe prompts
         self.teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
