@@ -79,9 +79,9 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
     assert len(lengths) >= 3, lengths  # prompts of several lengths in one batch
 
     if signal == "reverse_kl":
-        teacher_logps = resolve_rows(batch["teacher_logps"], completion_ids, completion_mask).logps
+        teacher_logps = resolve_rows(batch["teacher_scores"], completion_ids, completion_mask).logps
     else:
-        assert batch["teacher_logps"] is None  # computed within the loss
+        assert batch["teacher_scores"] is None  # computed within the loss
         student = trainer.accelerator.unwrap_model(trainer.model)
         hidden = torch.zeros((*completion_ids.shape, student.config.hidden_size))
         _, teacher_logps = trainer.teacher.divergence_loss(
@@ -282,7 +282,8 @@ def test_live_teacher_is_the_student_and_trains(tmp_path, math_trained_path, mat
         train_dataset=with_context(math_dataset),
         state_logging=False,
     )
-    assert trainer.teacher.model is trainer.model and trainer.teacher_model is None  # no probe teacher either
+    assert trainer.teacher.model is trainer.model and trainer.teacher_model is trainer.model
+    assert trainer.probe_teacher_model is None  # no probe teacher: the probe prompts hold no privileged context
     trainer.train()
     kl = log_history(trainer, "teacher_kl")
     assert len(kl) == 2 and all(k != 0.0 for k in kl)  # the context changes what the student predicts
@@ -302,7 +303,7 @@ def test_peft_base_teacher_is_the_student_with_its_adapter_disabled(tmp_path, ma
     rows = [dict(row) for row in with_context(math_dataset, [""]).select(range(4)) for _ in range(2)]
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
-    teacher = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"]).logps
+    teacher = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"]).logps
     base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)

@@ -93,6 +93,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             then reads each row's `privileged_context` through `args.teacher_prompt_template`, and the ledger's
             sequences carry the `teacher_prompt` it read and its `teacher_context_len` (its tokens over the student's
             prompt). Probe drift measures no teacher disagreement then: the probe prompts have no privileged context.
+
+            Once made, the teacher is `self.teacher` (the `teachers` package: everything the trainer asks of it goes
+            there); `self.teacher_model` is TRL's name for the teacher model in the training processes (as
+            `DistillationTrainer`'s; a self teacher's is the student or its copy), `None` for a served teacher and
+            several teachers; `self.probe_teacher_model` is the one `StateLoggingCallback`'s probe scores its
+            disagreement with (`teacher_model`, or `None` for a self teacher, whose prompts the probe does not hold).
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
@@ -196,9 +202,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             self.teacher = ServedTeacher.connect(self, teacher_path)
         else:
             self.teacher = InProcessTeacher.prepared(self, teacher_model, teacher_path)
-        # The prepared model in this process, or None (a served teacher, several teachers), for the probes; a teacher
-        # that reads prompts of its own has none to read on the probe prompts
-        self.teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
+        # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
+        # served teacher, several teachers)
+        self.teacher_model = self.teacher.model
+        # The teacher the probe's disagreement scores on the probe prompts (StateLoggingCallback): none for a teacher
+        # that reads prompts of its own, which the probe prompts do not hold
+        self.probe_teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
             # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)
@@ -292,7 +301,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if self.args.signal == "continuation":
             return self._continue_with_teacher(output)
         # One `TeacherRow` per row (read in the loss), or None: an in-process teacher's divergence is computed there
-        output["teacher_logps"] = batch.teacher_scores
+        output["teacher_scores"] = batch.teacher_scores
         return output
 
     def _generate(self, prompts):
@@ -386,14 +395,14 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             "ref_per_token_logps",
         ):
             output.pop(stale, None)  # computed for the rollouts before the cut; the loss here does not use them
-        output["teacher_logps"] = self.teacher.score(prompts, sequences, teachers=output["teacher"])
+        output["teacher_scores"] = self.teacher.score(prompts, sequences, teachers=output["teacher"])
         return output
 
     def _resolve_teacher_logps(self, inputs: dict) -> torch.Tensor:
         """The teacher's log-prob of each completion token, `(B, T)` like `completion_ids`, 0 where `completion_mask`
         is 0, once the teacher's answer is in (a failed served request raises its `TeacherServerError` here, in the
         training thread)."""
-        return resolve_rows(inputs["teacher_logps"], inputs["completion_ids"], inputs["completion_mask"]).logps
+        return resolve_rows(inputs["teacher_scores"], inputs["completion_ids"], inputs["completion_mask"]).logps
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs

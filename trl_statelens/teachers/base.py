@@ -141,7 +141,7 @@ class Teacher:
     def divergence_loss(
         self, student, student_hidden, batch: dict, loss_mask, normalizer, beta: float, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `divergence` loss of a micro-batch (`batch`: its prompt and completion tensors, its `teacher_logps`
+        """The `divergence` loss of a micro-batch (`batch`: its prompt and completion tensors, its `teacher_scores`
         rows from `score(..., distribution=True)`, and with a router each row's `teacher`) given the student's
         (unwrapped `student`) final hidden states `(B, T, H)` at its completion positions, summed over positions with
         `loss_mask != 0` and divided by `normalizer`; and the teacher's log-prob of each completion token `(B, T)`,

@@ -86,8 +86,8 @@ class TeacherRouter(Teacher):
             part = {
                 key: batch[key][index] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
             }
-            scores = batch["teacher_logps"]
-            part["teacher_logps"] = [scores[i] for i in rows] if scores is not None else None
+            scores = batch["teacher_scores"]
+            part["teacher_scores"] = [scores[i] for i in rows] if scores is not None else None
             loss, logps = self.teachers[name].divergence_loss(
                 student, student_hidden[index], part, loss_mask[index], normalizer, beta, temperature
             )

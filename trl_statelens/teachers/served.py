@@ -95,9 +95,9 @@ class ServedTeacher(Teacher):
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
-        if not batch["teacher_logps"]:  # a router sent this rank's rows to other teachers
+        if not batch["teacher_scores"]:  # a router sent this rank's rows to other teachers
             return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
-        scores = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"])
+        scores = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"])
         loss = topk_tail_divergence(
             student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
         )
