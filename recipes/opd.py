@@ -93,7 +93,7 @@ def stock_served_trainer(model_path, teacher_path, training_args, dataset, model
 
 
 def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None):
-    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/two_teachers.py's mixed prompts)."""
+    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/studies/two_teachers.py's mixed prompts)."""
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
     if teachers is not None:
