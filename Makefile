@@ -78,27 +78,27 @@ demo-real: runs/real/gsm8k_lora_sft/adapter_config.json
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
 study-lab: $(STAMP)
-	$(BIN)/python recipes/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab
+	$(BIN)/python recipes/studies/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab
 
 # The same runs for seed 0 only: every comparison with its interval over test problems, no spread over seeds.
 study-lab-quick: $(STAMP)
-	$(BIN)/python recipes/study_lab.py --seeds 0 --out runs/study-lab-quick
+	$(BIN)/python recipes/studies/study_lab.py --seeds 0 --out runs/study-lab-quick
 
 # Issue 29: which training-time statistic forecasts forgetting, over 31 short lab runs, 2 at once (STUDY.md,
 # "Forecasting forgetting from states"); skips runs whose results.json exists. `--dry_run` prints the grid and its cost.
 forgetting-study: $(STAMP)
-	$(BIN)/python recipes/forgetting_study.py --jobs 2 --out runs/forgetting-study
+	$(BIN)/python recipes/studies/forgetting_study.py --jobs 2 --out runs/forgetting-study
 
 # Issue 27: two teachers (lab math, kb) routed by task against each alone, 2 seeds, 2 runs at once (about 10 minutes;
-# recipes/two_teachers.py says what it runs). Skips runs whose results.json exists.
+# recipes/studies/two_teachers.py says what it runs). Skips runs whose results.json exists.
 two-teachers: $(STAMP)
-	$(BIN)/python recipes/two_teachers.py --seeds 0 1 --jobs 2 --out runs/two-teachers
+	$(BIN)/python recipes/studies/two_teachers.py --seeds 0 1 --jobs 2 --out runs/two-teachers
 
 # Issue 28: lab math learned from reference solutions by SFT or by self-distillation (each signal), settings chosen on
 # the dev split by the rule pre-registered in STUDY.md, then 3 seeds on the test split; skips finished runs.
 # Estimated 14 minutes on 2 quiet cores; `--dry_run` prints the runs and the estimate.
 self-distill-study: $(STAMP)
-	$(BIN)/python recipes/self_distill_study.py --jobs 2 --out runs/self-distill-study
+	$(BIN)/python recipes/studies/self_distill_study.py --jobs 2 --out runs/self-distill-study
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

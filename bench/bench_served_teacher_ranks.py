@@ -32,11 +32,11 @@ def worker(url: str, vocab_size: int, iterations: int, output: str) -> None:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from trl_statelens.served_teacher import ServedTeacher
+    from trl_statelens.teachers import TeacherServerClient
 
     torch.set_num_threads(1)
     state = PartialState(cpu=True)  # gloo: this benchmark runs on CPU
-    served = ServedTeacher(url, None, vocab_size, timeout=60.0)
+    served = TeacherServerClient(url, None, vocab_size, timeout=60.0)
     generator = torch.Generator().manual_seed(state.process_index)
     tokens = PROMPT_TOKENS + COMPLETION_TOKENS
     rows = [torch.randint(1, vocab_size, (tokens,), generator=generator).tolist() for _ in range(ROWS_PER_RANK)]

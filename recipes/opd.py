@@ -26,8 +26,7 @@ from trl_statelens.runs import (
     state_logging_callback,
     with_default_config,
 )
-from trl_statelens.served_teacher import client_without_local_vllm
-from trl_statelens.teachers import connect_served_teacher, load_teacher
+from trl_statelens.teachers import client_without_local_vllm, connect_served_teacher, load_teacher
 
 
 @dataclass
@@ -94,7 +93,7 @@ def stock_served_trainer(model_path, teacher_path, training_args, dataset, model
 
 
 def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None):
-    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/two_teachers.py's mixed prompts)."""
+    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/studies/two_teachers.py's mixed prompts)."""
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
     if teachers is not None:

@@ -1,4 +1,4 @@
-"""The forgetting-forecast study (recipes/forgetting_study.py): its smoke chain end to end on test-size models, and
+"""The forgetting-forecast study (recipes/studies/forgetting_study.py): its smoke chain end to end on test-size models, and
 its analysis against known answers."""
 
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-STUDY = Path(__file__).resolve().parents[1] / "recipes" / "forgetting_study.py"
+STUDY = Path(__file__).resolve().parents[1] / "recipes" / "studies" / "forgetting_study.py"
 sys.path.insert(0, str(STUDY.parent))
 import forgetting_study as fs  # noqa: E402
 

@@ -45,7 +45,7 @@ def test_routed_rows_get_their_own_teachers_logps(tmp_path, math_trained_path, m
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
     assert batch["teacher"] == ["math", "math", "other", "other", "math", "math", "math", "math"]
-    logps = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"]).logps
+    logps = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"]).logps
     prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
     completions = [c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], batch["completion_mask"])]
     # Each single teacher scoring every row: the routed batch holds, row by row, the named teacher's answer

@@ -9,6 +9,7 @@ from trl import DistillationConfig, DistillationTrainer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.lab import build_model
+from trl_statelens.records import STATE_SOURCES
 
 
 def opd_config(tmp_path, **kwargs):
@@ -143,9 +144,10 @@ def test_state_source_mix_is_honoured_per_sample_and_recorded(tmp_path, student_
 
     def spy(inputs):
         out = original(inputs)
-        drawn.extend(trainer._row_sources)
+        sources = [STATE_SOURCES[code] for code in out["row_source"].tolist()]
+        drawn.extend(sources)
         # dataset rows carry the reference answer, teacher-forced
-        for source, ids, mask, row in zip(trainer._row_sources, out["completion_ids"], out["completion_mask"], inputs):
+        for source, ids, mask, row in zip(sources, out["completion_ids"], out["completion_mask"], inputs):
             if source == "dataset":
                 text = trainer._tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                 assert text == row["completion"][: len(text)] and len(text) > 10
@@ -448,11 +450,11 @@ def test_teacher_device_map_under_distributed_training_is_none(
     would put every rank's teacher on the first GPU. Elsewhere TRL's default applies (no device_map passed)."""
     from types import SimpleNamespace
 
-    import trl_statelens.teachers as teachers
+    import trl_statelens.teachers.loading as loading
     from trl_statelens.teachers import load_teacher
 
     seen = {}
-    monkeypatch.setattr(teachers, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(loading, "create_model_from_path", lambda path, **kwargs: seen.update(kwargs))
     args = opd_config(tmp_path, teacher_model_init_kwargs={"device_map": "auto"} if device_map is None else None)
     args.distributed_state = SimpleNamespace(distributed_type=distributed_type)
     load_teacher(str(teacher_path), args)

@@ -1,4 +1,4 @@
-"""The self-distillation study (recipes/self_distill_study.py): its smoke chain end to end on a test-size model, and
+"""The self-distillation study (recipes/studies/self_distill_study.py): its smoke chain end to end on a test-size model, and
 its rule against known answers."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-STUDY = Path(__file__).resolve().parents[1] / "recipes" / "self_distill_study.py"
+STUDY = Path(__file__).resolve().parents[1] / "recipes" / "studies" / "self_distill_study.py"
 sys.path.insert(0, str(STUDY.parent))
 import self_distill_study as sds  # noqa: E402
 

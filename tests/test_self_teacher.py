@@ -79,9 +79,9 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
     assert len(lengths) >= 3, lengths  # prompts of several lengths in one batch
 
     if signal == "reverse_kl":
-        teacher_logps = resolve_rows(batch["teacher_logps"], completion_ids, completion_mask).logps
+        teacher_logps = resolve_rows(batch["teacher_scores"], completion_ids, completion_mask).logps
     else:
-        assert batch["teacher_logps"] is None  # computed within the loss
+        assert batch["teacher_scores"] is None  # computed within the loss
         student = trainer.accelerator.unwrap_model(trainer.model)
         hidden = torch.zeros((*completion_ids.shape, student.config.hidden_size))
         _, teacher_logps = trainer.teacher.divergence_loss(
@@ -282,7 +282,8 @@ def test_live_teacher_is_the_student_and_trains(tmp_path, math_trained_path, mat
         train_dataset=with_context(math_dataset),
         state_logging=False,
     )
-    assert trainer.teacher.model is trainer.model and trainer.teacher_model is None  # no probe teacher either
+    assert trainer.teacher.model is trainer.model and trainer.teacher_model is trainer.model
+    assert trainer.probe_teacher_model is None  # no probe teacher: the probe prompts hold no privileged context
     trainer.train()
     kl = log_history(trainer, "teacher_kl")
     assert len(kl) == 2 and all(k != 0.0 for k in kl)  # the context changes what the student predicts
@@ -302,7 +303,7 @@ def test_peft_base_teacher_is_the_student_with_its_adapter_disabled(tmp_path, ma
     rows = [dict(row) for row in with_context(math_dataset, [""]).select(range(4)) for _ in range(2)]
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows)
-    teacher = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"]).logps
+    teacher = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"]).logps
     base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -335,7 +336,7 @@ def test_peft_ema_teacher_averages_the_adapter_and_scores_with_it(tmp_path, math
     while the student's graph is alive, and the step's backward must still work."""
     data = with_context(math_dataset)
     trainer = lora_ema_trainer(tmp_path, math_trained_path, data, signal="divergence")
-    average = trainer.teacher._adapter_average
+    average = trainer.teacher.weights.average
     trained = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainer.teacher.model is trainer.model and average.keys() == trained.keys()
     assert all("lora_" in name for name in average)  # the adapter only: the frozen base is shared
@@ -379,12 +380,12 @@ def test_peft_ema_teacher_resumes_from_its_checkpoint(tmp_path, math_trained_pat
     straight = lora_ema_trainer(tmp_path / "straight", math_trained_path, data, **kwargs)
     straight.train()
     saved = load_file(tmp_path / "straight" / "checkpoint-1" / SelfTeacher.EMA_FILE)
-    assert saved.keys() == straight.teacher._adapter_average.keys()
+    assert saved.keys() == straight.teacher.weights.average.keys()
     resumed = lora_ema_trainer(tmp_path / "resumed", math_trained_path, data, **kwargs)
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))
     assert resumed.state.global_step == 2
-    for name, average in straight.teacher._adapter_average.items():
-        assert resumed.teacher._adapter_average[name].equal(average), name
+    for name, average in straight.teacher.weights.average.items():
+        assert resumed.teacher.weights.average[name].equal(average), name
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert a.equal(b), name
 

@@ -1,4 +1,5 @@
-"""`ServedTeacher` against `tests/vllm_test_server.py`, a CPU stand-in for `vllm serve` speaking vLLM's wire format."""
+"""The served teacher (`TeacherServerClient`, `ServedTeacher`) against `tests/vllm_test_server.py`, a CPU stand-in for
+`vllm serve` speaking vLLM's wire format."""
 
 import json
 import os
@@ -19,7 +20,7 @@ from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.records import source_code
-from trl_statelens.served_teacher import ServedTeacher, TeacherServerError
+from trl_statelens.teachers import TeacherServerClient, TeacherServerError
 
 TWO_RANKS = Path(__file__).parent / "scripts" / "served_teacher_two_ranks.py"
 
@@ -43,7 +44,7 @@ def teacher(teacher_path):
 
 def served(url, tokenizer, **kwargs):
     kwargs = {"timeout": 5.0, "retry_backoff": 0.01, **kwargs}
-    return ServedTeacher(url, tokenizer, len(tokenizer), **kwargs)
+    return TeacherServerClient(url, tokenizer, len(tokenizer), **kwargs)
 
 
 def _sequences(tokenizer):
@@ -438,7 +439,7 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
     lengths = batch["completion_mask"].sum(1).tolist()
     completions = [ids[:n].tolist() for ids, n in zip(batch["completion_ids"], lengths)]
     rows = {name: t.teacher.score(prompts, completions) for name, t in (("local", local), ("served", served_))}
-    logps = {name: local._resolve_teacher_logps({**batch, "teacher_logps": r}) for name, r in rows.items()}
+    logps = {name: local._resolve_teacher_logps({**batch, "teacher_scores": r}) for name, r in rows.items()}
     assert (logps["local"] != 0).sum() > 30
     torch.testing.assert_close(logps["served"], logps["local"], atol=1e-5, rtol=1e-5)
 
@@ -448,7 +449,7 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
         }
         assert rows["local"] is None and len(rows["served"]) == 8
     (local_loss, local_grads), (served_loss, served_grads) = (
-        _loss_and_grads(trainer, {**batch, "teacher_logps": rows[name]})
+        _loss_and_grads(trainer, {**batch, "teacher_scores": rows[name]})
         for name, trainer in (("local", local), ("served", served_))
     )
     assert local_loss.abs() > 1e-3

@@ -1,4 +1,4 @@
-"""The lab study's chain (recipes/study_lab.py) end to end: one seed, two tiny steps per run, test-size models."""
+"""The lab study's chain (recipes/studies/study_lab.py) end to end: one seed, two tiny steps per run, test-size models."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-STUDY = Path(__file__).resolve().parents[1] / "recipes" / "study_lab.py"
+STUDY = Path(__file__).resolve().parents[1] / "recipes" / "studies" / "study_lab.py"
 
 
 @pytest.mark.slow

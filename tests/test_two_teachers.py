@@ -1,4 +1,4 @@
-"""recipes/two_teachers.py (issue 27's lab demonstration) end to end on test-size models: two tiny steps per arm."""
+"""recipes/studies/two_teachers.py (issue 27's lab demonstration) end to end on test-size models: two tiny steps per arm."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "two_teachers.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "studies" / "two_teachers.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import two_teachers as tt  # noqa: E402
 

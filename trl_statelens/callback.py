@@ -38,7 +38,7 @@ class StateLoggingCallback(TrainerCallback):
       so they are logged (and reach `report_to` backends) with the trainer's own metrics;
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
       against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`;
-    - with a teacher in the trainer's process (`trainer.teacher_model`: [`OnPolicyDistillTrainer`], TRL's
+    - with a teacher in the trainer's process ([`probe_teacher_model`]: [`OnPolicyDistillTrainer`], TRL's
       `DistillationTrainer`), the same probe step also measures where the student still disagrees with it, whatever
       the training signal: the exact per-token reverse KL $\mathrm{KL}(p_S \| p_T)$ over the whole vocabulary at
       every completion position, averaged over the probe completion tokens, as `statelens/drift/teacher_kl` on the
@@ -324,7 +324,7 @@ class StateLoggingCallback(TrainerCallback):
 
     # ----- teacher disagreement on probe states ----------------------------------------------------------------
     def _has_teacher(self) -> bool:
-        return getattr(self.trainer, "teacher_model", None) is not None
+        return probe_teacher_model(self.trainer) is not None
 
     @torch.no_grad()
     def _score_completions(self, completions: list[str], with_teacher: bool):
@@ -362,7 +362,8 @@ class StateLoggingCallback(TrainerCallback):
                 student_logps = torch.log_softmax(logits[..., :vocab].float() / temperature, dim=-1)
                 teacher_logps = None
                 if with_teacher:
-                    logits = trainer.teacher_model(input_ids=input_ids, attention_mask=attention_mask).logits
+                    teacher = probe_teacher_model(trainer)
+                    logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
                     teacher_logps = torch.log_softmax(logits[..., :vocab].float() / temperature, dim=-1)
                 for i, (p, c) in enumerate(rows):
                     # the token at position len(p) + k is predicted from position len(p) + k - 1
@@ -511,6 +512,15 @@ def check_no_ledger(output_dir) -> None:
             "Continue that run with --resume_from_checkpoint (resume_from_checkpoint= in trainer.train()), or choose "
             "another output_dir, or delete the folder."
         )
+
+
+def probe_teacher_model(trainer):
+    """The teacher model the probe measures disagreement with: the trainer's `probe_teacher_model` where it names one
+    ([`OnPolicyDistillTrainer`], `None` for a teacher that reads prompts of its own), else TRL's `teacher_model` (a
+    stock `DistillationTrainer`), else `None`."""
+    if hasattr(trainer, "probe_teacher_model"):
+        return trainer.probe_teacher_model
+    return getattr(trainer, "teacher_model", None)
 
 
 def trainer_generation_config(trainer) -> GenerationConfig | None:

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "statelens/forecast/"
 DEFAULT_CALIBRATION = Path(__file__).with_name("forgetting_calibration.json")
-TIME_POINTS = {"10%": 0.10, "25%": 0.25, "100%": 1.00}  # the study's time points (recipes/forgetting_study.py)
+TIME_POINTS = {"10%": 0.10, "25%": 0.25, "100%": 1.00}  # the study's time points (recipes/studies/forgetting_study.py)
 
 
 def load_calibration(calibration: str | Path | dict | None = None) -> dict:
@@ -104,7 +104,7 @@ class ForgettingForecast(TrainerCallback):
 
     **Calibration.** The default, `trl_statelens/forgetting_calibration.json`, is **lab-calibrated**: fitted on the
     study's 31 runs of the lab's 1.1M-parameter Qwen3 (lab seed 0, full fine-tuning), written by
-    `recipes/forgetting_study.py` (`calibration()`). A distance's scale depends on the model (its size, its
+    `recipes/studies/forgetting_study.py` (`calibration()`). A distance's scale depends on the model (its size, its
     initialization, the tasks), so these numbers forecast nothing on another model: calibrate on yours (run a few
     trainings of your own, measure their Forgetting and Retention, and write the same JSON with
     `forgetting_study.calibration`) and pass it as `calibration=`. The study's own caveat stands: it showed that the

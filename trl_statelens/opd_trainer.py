@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,8 +32,8 @@ from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
 from .teachers import (
     InProcessTeacher,
-    RemoteTeacher,
     SelfTeacher,
+    ServedTeacher,
     TeacherRouter,
     load_teacher,
     load_teachers,
@@ -43,6 +44,24 @@ logger = logging.getLogger(__name__)
 SOURCE_RNG_FILE = "statelens_source_rng_{rank}.pth"  # in each checkpoint, one per process
 
 LEARNER, DATASET, TEACHER = (source_code(s) for s in ("learner", "dataset", "teacher"))
+
+
+@dataclass
+class RolloutBatch:
+    """One generation batch on its way through GRPO's `_generate_and_score_completions`, row by row: what this
+    trainer decided for each row before the rollouts (`rows`, the dataset rows; `sources`, whose states it
+    supervises; `references`, its reference answer, for `dataset` states; `teachers`, its teacher from
+    `Teacher.route`), and what `_generate` adds (`teacher_prompts`, the prompt the teacher reads; `teacher_scores`,
+    the teacher's [`TeacherRow`]s, asked for as soon as the tokens are final; `scoring_rollouts`, set once GRPO goes
+    on to score the rollouts with the student, a forward no OPD loss reads)."""
+
+    rows: list[dict]
+    sources: list[str]
+    references: list
+    teachers: list[str | None]
+    teacher_prompts: list[list[int]] | None = None
+    teacher_scores: list | None = None
+    scoring_rollouts: bool = False
 
 
 def no_reward(completions, **kwargs) -> list[float]:
@@ -58,7 +77,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         teacher_model (`str` or `PreTrainedModel`, *optional*): the teacher, an instance or a path/hub id loaded with
             `args.teacher_model_init_kwargs`. It must share the student's tokenizer (TRL's `GOLDTrainer` handles
             cross-tokenizer distillation); its output layer may be padded past the student's with `reverse_kl` and
-            `continuation` (see `teachers._check_same_vocabulary`), not with an in-process `divergence`. It is frozen, kept in eval mode
+            `continuation` (see `teachers.vocabulary.check_same_vocabulary`), not with an in-process `divergence`. It is frozen, kept in eval mode
             and prepared for the same device/DeepSpeed setup as the student. With `args.teacher_model_server_url` a
             vLLM server runs the teacher instead: omit it, or give its path/hub id to have its tokenizer checked (no
             weights are loaded).
@@ -74,6 +93,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             then reads each row's `privileged_context` through `args.teacher_prompt_template`, and the ledger's
             sequences carry the `teacher_prompt` it read and its `teacher_context_len` (its tokens over the student's
             prompt). Probe drift measures no teacher disagreement then: the probe prompts have no privileged context.
+
+            Once made, the teacher is `self.teacher` (the `teachers` package: everything the trainer asks of it goes
+            there); `self.teacher_model` is TRL's name for the teacher model in the training processes (as
+            `DistillationTrainer`'s; a self teacher's is the student or its copy), `None` for a served teacher and
+            several teachers; `self.probe_teacher_model` is the one `StateLoggingCallback`'s probe scores its
+            disagreement with (`teacher_model`, or `None` for a self teacher, whose prompts the probe does not hold).
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
@@ -165,26 +190,28 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # a served teacher's sampling seeds)
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
-        self._pending_teacher_scores = None
+        self._rollout_batch: RolloutBatch | None = None  # while a generation batch is made (see `RolloutBatch`)
         self._forward_redirection = _ForwardRedirection()
-        # Everything the trainer asks of its teacher goes through `self.teacher` (`teachers.py`)
+        # Everything the trainer asks of its teacher goes through `self.teacher` (the `teachers` package)
         if args.teacher_model_kind is not None:
             # The student's path, to load its copy again under ZeRO-3 (an instance has none)
             self.teacher = SelfTeacher(self, model if isinstance(model, str) else None)
         elif isinstance(teacher_model, dict):
             self.teacher = TeacherRouter.connect(self, loaded_teachers)
         elif args.teacher_model_server_url is not None:
-            self.teacher = RemoteTeacher.connect(self, teacher_path)
+            self.teacher = ServedTeacher.connect(self, teacher_path)
         else:
-            self.teacher = InProcessTeacher(self, teacher_model, teacher_path)
-        # The prepared model in this process, or None (a served teacher, several teachers), for the probes; a teacher
-        # that reads prompts of its own has none to read on the probe prompts
-        self.teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
+            self.teacher = InProcessTeacher.prepared(self, teacher_model, teacher_path)
+        # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
+        # served teacher, several teachers)
+        self.teacher_model = self.teacher.model
+        # The teacher the probe's disagreement scores on the probe prompts (StateLoggingCallback): none for a teacher
+        # that reads prompts of its own, which the probe prompts do not hold
+        self.probe_teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
             # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)
             self.vllm_importance_sampling_correction = False
-        self._scoring_rollouts = False
 
     @property
     def state_teacher_names(self) -> tuple[str, ...]:  # the records tell the rows of several teachers apart
@@ -254,44 +281,48 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     # ----- rollouts: whose states -----------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         draws = torch.multinomial(self._source_probs, len(inputs), replacement=True, generator=self._source_generator)
-        self._row_sources = [MIX_SOURCES[i] for i in draws.tolist()]
-        self._row_references = [row.get(self.args.reference_column) for row in inputs]
-        self._row_teachers = self.teacher.route([row.get("teacher_id") for row in inputs])
-        self._rows = inputs
+        batch = RolloutBatch(
+            rows=inputs,
+            sources=[MIX_SOURCES[i] for i in draws.tolist()],
+            references=[row.get(self.args.reference_column) for row in inputs],
+            teachers=self.teacher.route([row.get("teacher_id") for row in inputs]),
+        )
+        # GRPO calls `_generate(prompts)` and `_get_per_token_logps_and_entropies` from inside its own method, with
+        # arguments it fixes: the batch reaches them through this one attribute, held for the duration of the call
+        self._rollout_batch = batch
         try:
             output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
-            teacher_scores = self._pending_teacher_scores  # asked for in `_generate`, unless `continuation`
         finally:
-            self._scoring_rollouts = False
-            self._pending_teacher_scores = None
+            self._rollout_batch = None
         device = output["completion_ids"].device
-        output["row_source"] = torch.tensor([source_code(s) for s in self._row_sources], device=device)
-        output["teacher"] = self._row_teachers  # a list: GRPO shuffles and splits it with the rows
-        output["teacher_prompt_ids"] = self._teacher_prompts  # the prompt the teacher reads, per row (a list too)
+        output["row_source"] = torch.tensor([source_code(s) for s in batch.sources], device=device)
+        output["teacher"] = batch.teachers  # a list: GRPO shuffles and splits it with the rows
+        output["teacher_prompt_ids"] = batch.teacher_prompts  # the prompt the teacher reads, per row (a list too)
         if self.args.signal == "continuation":
             return self._continue_with_teacher(output)
         # One `TeacherRow` per row (read in the loss), or None: an in-process teacher's divergence is computed there
-        output["teacher_logps"] = teacher_scores
+        output["teacher_scores"] = batch.teacher_scores
         return output
 
     def _generate(self, prompts):
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
             prompts
         )
+        batch = self._rollout_batch
         # The teacher reads its own prompts (a self teacher's hold the row's privileged context), the student its own
-        self._teacher_prompts = teacher_prompts = self.teacher.prompts(prompt_ids, self._rows)
-        swap = [i for i, s in enumerate(self._row_sources) if s != "learner"]
-        teacher_rows = [i for i in swap if self._row_sources[i] == "teacher"]
+        batch.teacher_prompts = teacher_prompts = self.teacher.prompts(prompt_ids, batch.rows)
+        swap = [i for i, s in enumerate(batch.sources) if s != "learner"]
+        teacher_rows = [i for i in swap if batch.sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
         rollouts = self.teacher.generate(
             [teacher_prompts[i] for i in teacher_rows],
             self.max_completion_length,
-            teachers=[self._row_teachers[i] for i in teacher_rows],
+            teachers=[batch.teachers[i] for i in teacher_rows],
         )
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:
-                ids = replacement[i] if i in replacement else self._reference_ids(self._row_references[i])
+                ids = replacement[i] if i in replacement else self._reference_ids(batch.references[i])
                 completion_ids[i] = ids
                 text = self._tokenizer.decode(ids, skip_special_tokens=True)
                 completions[i] = [{"role": "assistant", "content": text}] if isinstance(prompts[i], list) else text
@@ -301,13 +332,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             # student's old log-probs) and the first micro-batch's forward runs. Rows GRPO masks later (truncated
             # completions) are zeroed when the answer is read.
             distribution = self.args.signal == "divergence"
-            self._pending_teacher_scores = self.teacher.score(
-                teacher_prompts, completion_ids, distribution, teachers=self._row_teachers
+            batch.teacher_scores = self.teacher.score(
+                teacher_prompts, completion_ids, distribution, teachers=batch.teachers
             )
         # From here until the batch is returned GRPO scores the rollouts with the student (its old log-probs), which
         # no OPD loss reads: `_get_per_token_logps_and_entropies` skips that forward. (The teacher's scoring above
         # runs first: a live self teacher is the student.)
-        self._scoring_rollouts = True
+        batch.scoring_rollouts = True
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
     def _reference_ids(self, reference) -> list[int]:
@@ -364,14 +395,14 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             "ref_per_token_logps",
         ):
             output.pop(stale, None)  # computed for the rollouts before the cut; the loss here does not use them
-        output["teacher_logps"] = self.teacher.score(prompts, sequences, teachers=output["teacher"])
+        output["teacher_scores"] = self.teacher.score(prompts, sequences, teachers=output["teacher"])
         return output
 
     def _resolve_teacher_logps(self, inputs: dict) -> torch.Tensor:
         """The teacher's log-prob of each completion token, `(B, T)` like `completion_ids`, 0 where `completion_mask`
         is 0, once the teacher's answer is in (a failed served request raises its `TeacherServerError` here, in the
         training thread)."""
-        return resolve_rows(inputs["teacher_logps"], inputs["completion_ids"], inputs["completion_mask"]).logps
+        return resolve_rows(inputs["teacher_scores"], inputs["completion_ids"], inputs["completion_mask"]).logps
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -390,7 +421,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         returned: no OPD loss reads them. The one exception is the vLLM importance-sampling correction of `reverse_kl`.
         """
         if (
-            self._scoring_rollouts
+            self._rollout_batch is not None
+            and self._rollout_batch.scoring_rollouts
             and model is self.model
             and not (self.use_vllm and self.vllm_importance_sampling_correction)
         ):

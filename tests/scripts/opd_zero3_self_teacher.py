@@ -85,7 +85,7 @@ def gathered(model):
 
 
 def teacher_and_student(trainer):
-    teacher = trainer.teacher._unwrapped()
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher.model)
     return gathered(teacher), gathered(trainer.accelerator.unwrap_model(trainer.model))
 
 

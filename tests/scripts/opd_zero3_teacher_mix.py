@@ -51,7 +51,7 @@ generate = trainer._generate
 
 
 def counting_generate(prompts):
-    teacher_rows.append(trainer._row_sources.count("teacher"))
+    teacher_rows.append(trainer._rollout_batch.sources.count("teacher"))
     return generate(prompts)
 
 

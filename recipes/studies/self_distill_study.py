@@ -2,9 +2,9 @@
 solutions by (a) SFT on them or (b) self-distillation with each signal, from the lab base; target gain, retention
 and the state records that explain the difference, over 3 seeds.
 
-    make self-distill-study      # = python recipes/self_distill_study.py --jobs 2 --out runs/self-distill-study
-    python recipes/self_distill_study.py --dry_run                # the runs and their estimated time, nothing run
-    python recipes/self_distill_study.py --smoke --model_name_or_path MODEL --out /tmp/sd   # the CI test
+    make self-distill-study      # = python recipes/studies/self_distill_study.py --jobs 2 --out runs/self-distill-study
+    python recipes/studies/self_distill_study.py --dry_run                # the runs and their estimated time, nothing run
+    python recipes/studies/self_distill_study.py --smoke --model_name_or_path MODEL --out /tmp/sd   # the CI test
 
 The plan and its rule are pre-registered in STUDY.md, "Self-distillation with privileged context: plan". Phases:
 
@@ -34,7 +34,7 @@ from study_lab import run  # logs the command and its time, and stops on a failu
 
 from trl_statelens.evaluation import RETENTION_TASKS, item_scores, paired_interval, retention_summary
 
-RECIPES = Path(__file__).resolve().parent
+RECIPES = Path(__file__).resolve().parents[1]
 CONFIGS = RECIPES / "configs" / "lab"
 SEEDS = [0, 1, 2]
 TASKS = ("gsm8k", *RETENTION_TASKS)

@@ -1,8 +1,8 @@
 """Two teachers with different strengths on the lab (issue 27, item 5): OPD on a mix of math and knowledge-base (kb)
 prompts, each row routed by its `teacher_id` column, against each single teacher on the same prompts.
 
-    make two-teachers      # = python recipes/two_teachers.py --seeds 0 1 --jobs 2 --out runs/two-teachers
-    python recipes/two_teachers.py --smoke --model_name_or_path MODEL --math_teacher TEACHER --out /tmp/tt  # the test
+    make two-teachers      # = python recipes/studies/two_teachers.py --seeds 0 1 --jobs 2 --out runs/two-teachers
+    python recipes/studies/two_teachers.py --smoke --model_name_or_path MODEL --math_teacher TEACHER --out /tmp/tt  # the test
 
 The teachers: `lab-teacher` (the lab base fine-tuned on lab math: strong at math, it forgot part of the kb) and a kb
 teacher, the lab base fine-tuned on the kb's `dev` split (90 questions with their answers, answer tokens only, never
@@ -19,11 +19,11 @@ Scores: target gsm8k (lab math test), retention mmlu (kb test: facts of entities
 truthfulqa (truth test), and `kb_dev` (the routed kb prompts' own questions: what the kb teacher knows). Outputs in
 `--out`: `base/`, `teacher_math/`, `teacher_kb/` (evaluations), `seed<s>/<arm>/` (run folders with their reports),
 `seed<s>/report/`, `summary.json` and `summary.md` (scores over seeds, paired differences with 95% bootstrap intervals
-over test items (recipes/study_lab.py's), and the per-task teacher metrics from each run's logs and ledger).
+over test items (recipes/studies/study_lab.py's), and the per-task teacher metrics from each run's logs and ledger).
 
 Time, estimated from a 5-step timing of the `two_teachers` arm (2026-12-01, one torch thread): 10.5 s a step of 32
 prompts at load average 5 on the 2 cores (other sessions' jobs), about 6 s on a quiet machine (0.22 s a rollout,
-recipes/forgetting_study.py's divergence figure; kb rows are a few tokens). Per run add about 45 s (start, the
+recipes/studies/forgetting_study.py's divergence figure; kb rows are a few tokens). Per run add about 45 s (start, the
 evaluation after, report, probe). 6 runs of 20 steps and 3 evaluations, 2 at once, the kb teacher (20 s) and the
 summary (30 s): about 10 minutes on a quiet machine, about 17 at load 5.
 """
@@ -40,7 +40,8 @@ from pathlib import Path
 
 from study_lab import BOOTSTRAP_SAMPLES, SCORES, SMOKE_FLAGS, compare_runs, comparison_table, run
 
-RECIPES = Path(__file__).resolve().parent
+RECIPES = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(RECIPES))  # each arm runs recipes/opd.py's `main` in its own process (`train`)
 CONFIG = RECIPES / "configs" / "lab" / "opd.yaml"
 ROUTES = ("math", "kb")  # teacher_id values: the prompt's task
 ARMS = {  # arm -> teacher of each route

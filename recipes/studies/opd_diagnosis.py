@@ -1,8 +1,8 @@
 """Why on-policy distillation moves its target slowly on the lab: each signal, and stock TRL, run long on the dev split
 with the lens watching (STUDY.md, "Diagnosis").
 
-    python recipes/opd_diagnosis.py --out runs/opd-diagnosis --jobs 2       # the OPD arms
-    python recipes/opd_diagnosis.py --out runs/grpo-dev --jobs 2 --arms grpo_lr1e-4 grpo_lr3e-4   # GRPO's
+    python recipes/studies/opd_diagnosis.py --out runs/opd-diagnosis --jobs 2       # the OPD arms
+    python recipes/studies/opd_diagnosis.py --out runs/grpo-dev --jobs 2 --arms grpo_lr1e-4 grpo_lr3e-4   # GRPO's
     statelens report runs/opd-diagnosis/* --out runs/opd-diagnosis/report   # written at the end anyway
 
 Every arm distils the lab math teacher into the lab base (lab seed 0) with the demo's settings (8 prompts x 4
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from trl_statelens.report import load_run, target_scores_during, training_flops, write_report
 
-RECIPES = Path(__file__).resolve().parent
+RECIPES = Path(__file__).resolve().parents[1]
 ARMS = {
     "reverse_kl": ["--signal", "reverse_kl"],
     "divergence": ["--signal", "divergence"],

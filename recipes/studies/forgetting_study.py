@@ -1,10 +1,10 @@
 """Forecasting forgetting from states (issue 29): a grid of short lab runs (SFT, GRPO, OPD) from the lab base, the
 candidate statistics of each at 10%, 25% and 100% of its steps, and how well each forecasts the run's Forgetting.
 
-    make forgetting-study        # = python recipes/forgetting_study.py --jobs 2 --out runs/forgetting-study
-    python recipes/forgetting_study.py --dry_run                  # the grid and its estimated time, nothing run
-    python recipes/forgetting_study.py --smoke --model_name_or_path MODEL --out /tmp/fs   # the CI test
-    python recipes/forgetting_study.py --analyse_only --out runs/forgetting-study --to docs/study/forgetting
+    make forgetting-study        # = python recipes/studies/forgetting_study.py --jobs 2 --out runs/forgetting-study
+    python recipes/studies/forgetting_study.py --dry_run                  # the grid and its estimated time, nothing run
+    python recipes/studies/forgetting_study.py --smoke --model_name_or_path MODEL --out /tmp/fs   # the CI test
+    python recipes/studies/forgetting_study.py --analyse_only --out runs/forgetting-study --to docs/study/forgetting
 
 The plan (grid, statistics, analysis, decision rule) is pre-registered in STUDY.md, "Forecasting forgetting from
 states (issue 29)". Every run is a recipe (sft.py, grpo.py, opd.py) with its lab config and the grid's flags; a run
@@ -35,7 +35,7 @@ from study_lab import run  # the lab study's runner: logs the command, its time,
 
 from trl_statelens.evaluation import RETENTION_TASKS
 
-RECIPES = Path(__file__).resolve().parent
+RECIPES = Path(__file__).resolve().parents[1]
 CONFIGS = RECIPES / "configs" / "lab"
 FRACTIONS = {"10%": 0.10, "25%": 0.25, "100%": 1.00}
 STATISTICS = ["base_kl", "base_kl_topk", "mmd", "offpolicy_gap", "state_nll_change", "supervised_tokens",
@@ -482,7 +482,7 @@ def calibration(rows: list[dict], path: Path | None = None, samples: int = CALIB
     replacement, the same resamples for both lines; resamples with a constant x are dropped, so a few fewer may be
     kept). Runs without the statistic or a Retention are left out. Written to `path` as JSON when given."""
     out = {"statistic": CALIBRATION_STATISTIC, "provenance": {
-        "source": "recipes/forgetting_study.py (issue 29, STUDY.md: 'Forecasting forgetting from states')",
+        "source": "recipes/studies/forgetting_study.py (issue 29, STUDY.md: 'Forecasting forgetting from states')",
         "lab": "lab seed 0: the lab's 1.1M-parameter Qwen3 base, full fine-tuning (SFT, GRPO, OPD)",
         "runs": len(rows), "methods": {m: sum(r["method"] == m for r in rows) for m in METHODS},
         "date": time.strftime("%Y-%m-%d"), "bootstrap_seed": seed,

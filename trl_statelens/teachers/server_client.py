@@ -1,6 +1,6 @@
 """A teacher served by vLLM (`vllm serve`), reached through TRL's `VLLMClient`.
 
-[`ServedTeacher`] checks the server before any training work (reachable, serves a model, same vocabulary as the
+[`TeacherServerClient`] checks the server before any training work (reachable, serves a model, same vocabulary as the
 student), then answers what on-policy distillation asks a teacher: the log-prob of given tokens (exact: vLLM's
 prompt log-probs always include the actual token, whatever its rank), optionally with the teacher's top-k tokens and
 log-probs at each position (`top_logps`), and continuations of given token prefixes. Failed requests are retried a bounded number of times with exponential backoff when the failure
@@ -25,6 +25,8 @@ import trl.generation.vllm_client as trl_vllm_client
 from requests.adapters import HTTPAdapter
 from transformers import AutoTokenizer
 from trl.generation.vllm_client import VLLMClient
+
+from .vocabulary import token_id_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +136,9 @@ def run_concurrently(fn, calls: list[tuple], max_workers: int) -> list:
             worker.shutdown()
 
 
-class ServedTeacher:
-    """The teacher of on-policy distillation behind a vLLM server.
+class TeacherServerClient:
+    """The HTTP client of a teacher of on-policy distillation behind a vLLM server (see [`ServedTeacher`] for the
+    teacher the trainer asks).
 
     Args:
         base_url (`str`): the server's address, e.g. `"http://localhost:8000"`.
@@ -216,11 +219,9 @@ class ServedTeacher:
             name = teacher_tokenizer if isinstance(teacher_tokenizer, str) else type(teacher_tokenizer).__name__
             if isinstance(teacher_tokenizer, str):
                 teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tokenizer)
-            if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
-                raise TeacherServerError(
-                    f"the teacher's tokenizer ({name}) maps tokens to ids differently from the student's: the same ids "
-                    f"would mean different text to each model. {hint}"
-                )
+            mismatch = token_id_mismatch(student_tokenizer, teacher_tokenizer, name)
+            if mismatch:
+                raise TeacherServerError(f"{mismatch} {hint}")
         # Score the student's largest id: vLLM refuses ids past the served model's vocabulary. As many log-probs are
         # asked for as training will ask (`top_k`; 0, the actual token's only, needs no --max-logprobs flag), so
         # that vLLM's cap on them is met now rather than at the first step.

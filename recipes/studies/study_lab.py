@@ -1,8 +1,8 @@
 """The study on the lab, across seeds: every run of the reference study, its stock-TRL baselines, reports, and a
 Table 2 with mean and spread over seeds.
 
-    make study-lab                                   # = python recipes/study_lab.py --seeds 0 1 2 --jobs 3
-    python recipes/study_lab.py --seeds 0 --smoke --model_name_or_path MODEL --out /tmp/smoke   # the CI test
+    make study-lab                                   # = python recipes/studies/study_lab.py --seeds 0 1 2 --jobs 3
+    python recipes/studies/study_lab.py --seeds 0 --smoke --model_name_or_path MODEL --out /tmp/smoke   # the CI test
 
 Each run is a recipe with its lab config (recipes/configs/lab/), the seed, and teachers taken from the same seed's
 SFT runs. A run whose `results.json` exists is skipped, so an interrupted study continues where it stopped.
@@ -24,7 +24,7 @@ import numpy as np
 from trl_statelens.evaluation import item_scores, paired_interval, retention_summary
 from trl_statelens.report import write_report
 
-RECIPES = Path(__file__).resolve().parent
+RECIPES = Path(__file__).resolve().parents[1]
 CONFIGS = RECIPES / "configs" / "lab"
 # Stock trainers write no state ledger, so the sample-efficiency plot has no x for them: skip their target evaluations
 STOCK = ["--baseline", "stock", "--target_eval_steps", "0"]

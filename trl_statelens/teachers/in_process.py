@@ -1,0 +1,182 @@
+"""A teacher model in the training processes: [`InProcessTeacher`]."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from trl.models import prepare_deepspeed, unwrap_model_for_generation
+from trl.trainer.distillation_trainer import _chunked_divergence_loss
+from trl.trainer.utils import add_fused_lm_head, pad
+
+from ..callback import trainer_generation_config
+from ..heads import _completion_hidden_states, _head_logps, _logit_post_processing
+from .base import RowScores, Teacher, answered, batch_rows, joined, left_padded
+from .vocabulary import check_same_vocabulary, vocab_size
+
+
+def prepare_teacher_model(trainer, model: PreTrainedModel, path: str | None = None):
+    """`model` made a teacher for `trainer`: its vocabulary checked against the student's (and its tokenizer, saved at
+    `path`), frozen, in eval mode, with the trainer's fused LM head, prepared as the student is (device, DDP,
+    DeepSpeed)."""
+    args = trainer.args
+    check_same_vocabulary(trainer.model, trainer._tokenizer, model, path, args.signal)
+    model.eval()
+    model.requires_grad_(False)
+    add_fused_lm_head(model, temperature=trainer.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+    if trainer.is_deepspeed_enabled:
+        return prepare_deepspeed(model, trainer.accelerator)
+    return trainer.accelerator.prepare_model(model, evaluation_mode=True)
+
+
+class InProcessTeacher(Teacher):
+    """A teacher model in the training processes, scored through `trainer`'s chunked LM-head path, generating with
+    `trainer`'s sampling settings.
+
+    Every rank calls every method with its own rows, none included: under ZeRO-3 the model's parameters are gathered
+    collectively, so while any rank has rows, a rank without any joins on a stand-in row whose answer it drops.
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] it serves (its accelerator, forward path and sampling settings).
+        model: the teacher, as [`prepare_teacher_model`] prepares it (see [`InProcessTeacher.prepared`]).
+    """
+
+    def __init__(self, trainer, model):
+        self.trainer, self.model = trainer, model
+
+    @classmethod
+    def prepared(cls, trainer, model: PreTrainedModel, path: str | None = None) -> InProcessTeacher:
+        """The teacher `model` (loaded from `path`, if any, whose tokenizer is checked), prepared for `trainer`."""
+        return cls(trainer, prepare_teacher_model(trainer, model, path))
+
+    @property
+    def generation_model(self):
+        """The model `generate` unwraps (gathering ZeRO-3 shards): the prepared teacher."""
+        return self.model
+
+    def _any_rank_has(self, rows: list) -> bool:
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return bool(rows)
+        return accelerator.gather(torch.tensor([len(rows)], device=accelerator.device)).sum().item() > 0
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): while any rank has rows,
+        # every rank generates, a rank without any on a stand-in row whose continuation it drops.
+        sequences = joined(prompts, prefixes)
+        if not self._any_rank_has(sequences):
+            return []
+        trainer = self.trainer
+        pad_id = trainer._tokenizer.pad_token_id
+        device = trainer.accelerator.device
+        input_ids, attention_mask = (t.to(device) for t in left_padded(sequences or [[pad_id]], pad_id))
+        generation_config = trainer_generation_config(trainer)
+        generation_config.max_new_tokens = max_new_tokens
+        # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
+        # continuation ends at its own eos, as a served teacher's does
+        generation_config.min_new_tokens, generation_config.min_length = None, 0
+        # A teacher whose output layer is padded past the student's vocabulary never writes those ids (the student
+        # could not read them): its distribution is renormalised over the ids both share
+        student_vocab, teacher_vocab = map(vocab_size, (trainer.model, self.model))
+        if teacher_vocab > student_vocab:
+            generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
+        with unwrap_model_for_generation(
+            self.generation_model, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
+        ) as teacher:
+            out = teacher.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+            )
+        return _first_eos(out[:, input_ids.size(1) :].tolist(), trainer.eos_token_ids)[: len(sequences)]
+
+    @torch.no_grad()
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        """Log-probs through the trainer's fused LM head, in chunks of the per-device batch size (as GRPO scores its
+        reference model), on the rows padded as GRPO pads a batch; the full distribution is not fetched ahead:
+        `divergence_loss` projects it within the loss's forward. A rank without rows (a router sent them all to
+        other teachers) scores a stand-in row while any rank has some: the forward is collective under ZeRO-3."""
+        if distribution:
+            return None
+        if not self._any_rank_has(prompts):
+            return []
+        trainer = self.trainer
+        pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
+        num_rows = len(prompts)
+        prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
+        device = trainer.accelerator.device
+        prompt_ids, prompt_mask = left_padded(prompts, pad_id, multiple)
+        # An empty completion (a rollout masked whole) is one masked padding token
+        completion_rows = [torch.tensor(c or [pad_id], dtype=torch.long) for c in completions]
+        completion_ids = pad(completion_rows, padding_value=pad_id, pad_to_multiple_of=multiple)
+        masks = [torch.full_like(r, int(bool(c))) for r, c in zip(completion_rows, completions)]
+        completion_mask = pad(masks, padding_value=0, pad_to_multiple_of=multiple)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
+        args = trainer.args
+        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            self.model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
+        )
+        scores = [RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows]
+        return batch_rows(answered(scores), len(scores))
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
+        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens. A rank without rows joins
+        the collectives on a stand-in row that supervises nothing while any rank has some."""
+        num_rows = batch["completion_ids"].size(0)
+        no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        if not self._any_rank_has(range(num_rows)):
+            return student_hidden.sum() * 0.0, no_logps
+        if num_rows == 0:
+            batch, student_hidden, loss_mask = _stand_in_row(
+                batch, student_hidden, self.trainer._tokenizer.pad_token_id
+            )
+        trainer = self.trainer
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        num_completion = batch["completion_ids"].size(1)
+        teacher = trainer.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            teacher_hidden = trainer._forward_redirection(
+                self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
+            )
+        student_head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
+        (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
+            _logit_post_processing, (student, teacher)
+        )
+        loss, _, _ = _chunked_divergence_loss(
+            student_hidden,
+            teacher_hidden,
+            student_head.weight,
+            teacher_head.weight,
+            loss_mask,
+            beta=beta,
+            num_items_in_batch=normalizer,
+            student_lm_head_bias=student_head.bias,
+            teacher_lm_head_bias=teacher_head.bias,
+            student_logit_scale=student_scale,
+            teacher_logit_scale=teacher_scale,
+            student_final_logit_softcapping=student_softcap,
+            teacher_final_logit_softcapping=teacher_softcap,
+            temperature=temperature,
+        )
+        with torch.no_grad():
+            teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
+        if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
+            return loss + student_hidden.sum() * 0.0, no_logps
+        return loss, teacher_logps
+
+
+def _first_eos(rows: list[list[int]], eos_token_ids) -> list[list[int]]:
+    ends = [next((j for j, t in enumerate(row) if t in eos_token_ids), None) for row in rows]
+    return [row if end is None else row[: end + 1] for row, end in zip(rows, ends)]
+
+
+def _stand_in_row(batch: dict, student_hidden, pad_id: int):
+    """One pad-token prompt and completion with a zero loss mask, for a rank with no rows of its own to join a
+    teacher's collectives with (its student hidden state is zeros, outside the student's graph)."""
+    device = batch["completion_ids"].device
+    ids, ones = torch.full((1, 1), pad_id, dtype=torch.long, device=device), torch.ones((1, 1), device=device)
+    stand_in = {"prompt_ids": ids, "prompt_mask": ones.long(), "completion_ids": ids, "completion_mask": ones.long()}
+    hidden = student_hidden.new_zeros((1, 1, student_hidden.size(-1)))
+    return stand_in, hidden, torch.zeros((1, 1), device=device)

@@ -1,0 +1,143 @@
+"""The student as its own teacher, reading a privileged prompt: [`SelfTeacher`]."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import is_peft_model
+from trl.data_utils import is_conversational
+
+from .base import left_padded
+from .in_process import InProcessTeacher
+from .self_teacher_weights import (
+    EMA_FILE,
+    AdapterAverage,
+    AveragedCopy,
+    CopiedWeights,
+    MovingAverage,
+    SharedStudent,
+    TeacherWeights,
+)
+
+
+class SelfTeacher(InProcessTeacher):
+    """The student as its own teacher, reading a privileged prompt (self-distillation with privileged context, as
+    TRL's experimental `SDFTTrainer`): each row's `args.teacher_prompt_template` filled with its prompt and its
+    `privileged_context`, tokenised as the student's prompt is (GRPO's `_tokenize_prompts`: the chat template for a
+    conversational prompt, whose last user message the filled template replaces, as TRL does).
+
+    The trainer hands it these prompts in place of the student's (`prompts`), so it scores and writes as an
+    in-process teacher does, after its own prompt: a completion token's teacher log-prob is read at the same
+    completion position whatever the two prompts' lengths, since each side left-pads its prompts before the shared,
+    right-padded completion.
+
+    The weights, by `args.teacher_model_kind` ([`TeacherWeights`], in place for each call):
+
+    - `"base"`: a frozen copy of the student made here, before any step ([`CopiedWeights`]); a PEFT student: its own
+      base model with the adapter disabled, no copy ([`SharedStudent`]);
+    - `"live"`: the student itself under `no_grad`, no copy ([`SharedStudent`]; generation through the trainer's
+      wrapped model, which under ZeRO-3 gathers the student's shards as GRPO's own generation does);
+    - `"ema"`: a frozen copy moved toward the student after every optimizer step by `args.teacher_update_rate`,
+      written into each checkpoint and read back on resume ([`AveragedCopy`]); for a PEFT student, an average of its
+      trained (adapter) parameters only, swapped into the student module for the teacher's calls ([`AdapterAverage`]).
+
+    Under DeepSpeed ZeRO-3 a copy is loaded again from the student's path (a student given as a model instance is
+    refused there), and a PEFT student's `"ema"` is refused.
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
+        student_path (`str`, *optional*): where the student was loaded from (its path or hub id), to load the copy
+            under ZeRO-3; `None` for a student given as a model instance.
+    """
+
+    reads_own_prompts = True
+    EMA_FILE = EMA_FILE
+
+    def __init__(self, trainer, student_path: str | None = None):
+        args = trainer.args
+        self.kind, self.template = args.teacher_model_kind, args.teacher_prompt_template
+        self.weights = _weights(self.kind, trainer, student_path)
+        super().__init__(trainer, self.weights.model)
+        if self.kind == "ema":
+            trainer.add_callback(MovingAverage(self.weights, args.teacher_update_rate))
+
+    @property
+    def generation_model(self):
+        return self.weights.generation_model
+
+    def prompts(self, student_prompts, rows):
+        missing = [i for i, row in enumerate(rows) if row.get("privileged_context") is None]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} row(s) of this batch have no privileged_context (None): the self teacher's prompt "
+                f"is {self.template!r}; give every row a privileged_context (an empty string for none)"
+            )
+        texts = [self.fill(row["prompt"], row["privileged_context"]) for row in rows]
+        return [list(ids) for ids in self.trainer._tokenize_prompts(texts)[0]]
+
+    def fill(self, prompt, privileged_context):
+        """The teacher's prompt (text or conversation) for a row."""
+        context = _as_text(privileged_context)
+        if not is_conversational({"prompt": prompt}):
+            return self.template.format(prompt=prompt, privileged_context=context)
+        last = prompt[-1]
+        if last.get("role") != "user":
+            raise ValueError(
+                f"a conversational prompt for the self teacher must end with a user message, whose text "
+                f"teacher_prompt_template fills in; this one ends with a {last.get('role')!r} message"
+            )
+        text = self.template.format(prompt=_as_text([last]), privileged_context=context)
+        return [*prompt[:-1], {**last, "content": text}]
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        with self.weights.applied():
+            return super().generate(prompts, max_new_tokens, prefixes, teachers)
+
+    @torch.no_grad()
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        with self.weights.applied():
+            return super().score(prompts, completions, distribution, teachers)
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """As [`InProcessTeacher`]'s, on the batch's teacher prompts (`teacher_prompt_ids`, one list per row)."""
+        if batch["teacher_prompt_ids"]:
+            pad_id, multiple = self.trainer._tokenizer.pad_token_id, self.trainer.pad_to_multiple_of
+            device = batch["prompt_ids"].device
+            prompt_ids, prompt_mask = left_padded(batch["teacher_prompt_ids"], pad_id, multiple)
+            batch = {**batch, "prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device)}
+        with self.weights.applied():
+            return super().divergence_loss(student, student_hidden, batch, loss_mask, normalizer, beta, temperature)
+
+    def save_state(self, output_dir):
+        self.weights.save(output_dir)
+
+    def load_state(self, checkpoint):
+        self.weights.load(checkpoint)
+
+
+def _weights(kind: str, trainer, student_path: str | None) -> TeacherWeights:
+    """The weights of a self teacher of `kind` (see [`SelfTeacher`]): a PEFT student's, and the live student's, are
+    the student module's own; a full-weight student's `"base"` and `"ema"` are a copy."""
+    if kind == "live" or is_peft_model(trainer.model):
+        if kind == "ema":
+            return AdapterAverage(trainer)
+        return SharedStudent(trainer, adapter_off=kind == "base")
+    if kind == "ema":
+        return AveragedCopy(trainer, student_path)
+    return CopiedWeights(trainer, student_path)
+
+
+def _as_text(value) -> str:
+    """A privileged context or a user message as text: a string as it is, messages by their text contents joined by
+    newlines (as TRL's SDFT does)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for message in value:
+            content = message.get("content", "") if isinstance(message, dict) else message
+            if isinstance(content, list):
+                content = " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+            if content:
+                parts.append(str(content))
+        return "\n".join(parts)
+    return str(value)

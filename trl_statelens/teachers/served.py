@@ -1,0 +1,104 @@
+"""A teacher behind a vLLM server: [`ServedTeacher`]."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ..heads import topk_tail_divergence
+from .base import RowScores, Teacher, answered, batch_rows, joined, resolve_rows
+from .loading import connect_served_teacher
+from .server_client import BackgroundRequests
+
+
+class ServedTeacher(Teacher):
+    """A teacher behind a vLLM server, through [`TeacherServerClient`]; every rank asks for its own rows (no
+    collective; vLLM batches the ranks' concurrent requests itself).
+
+    Args:
+        server ([`TeacherServerClient`]): the checked client.
+        sampling (`dict`): `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` of its continuations.
+        eos_token_ids (`list[int]`): where a continuation ends.
+        seed_generator (`torch.Generator`): draws one seed per continuation (vLLM would sample a request's identical
+            prefixes alike).
+        overlap (`bool`): send scoring requests from a background thread during `session()`.
+        top_k (`int`): the top log-probs per position that `score(..., distribution=True)` asks for.
+    """
+
+    def __init__(self, server, sampling: dict, eos_token_ids, seed_generator, overlap: bool = True, top_k: int = 0):
+        self.server, self.sampling, self.eos_token_ids = server, sampling, eos_token_ids
+        self.seed_generator, self.overlap, self.top_k = seed_generator, overlap, top_k
+        self._requests = None
+
+    @classmethod
+    def connect(cls, trainer, path: str | None = None, url: str | None = None) -> ServedTeacher:
+        """The teacher at `url` (default: `trainer.args.teacher_model_server_url`), checked now by
+        [`connect_served_teacher`]; with `divergence` it must answer `teacher_top_k` log-probs per position."""
+        args = trainer.args
+        top_k = args.teacher_top_k if args.signal == "divergence" else 0
+        url = url or args.teacher_model_server_url
+        server = connect_served_teacher(url, trainer.model, trainer._tokenizer, path, args, top_k)
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        sampling = {name: getattr(trainer, name) for name in names}
+        return cls(
+            server, sampling, trainer.eos_token_ids, trainer._source_generator, args.teacher_server_overlap, top_k
+        )
+
+    @contextmanager
+    def session(self):
+        if not self.overlap:
+            yield
+            return
+        # One worker: a rank's scoring requests go out one at a time, in the order the batches were made. Shut down
+        # when training ends or fails, so that a crash does not leave the process waiting for a request in flight.
+        self._requests = BackgroundRequests("teacher-server")
+        try:
+            yield
+        finally:
+            self._requests.shutdown()
+            self._requests = None
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        sequences = joined(prompts, prefixes)
+        if not sequences:
+            return []
+        # A seed per row (vLLM would sample a request's identical prefixes alike), drawn from the run's seed
+        seeds = torch.randint(2**31 - 1, (len(sequences),), generator=self.seed_generator).tolist()
+        return self.server.generate(sequences, max_new_tokens, self.eos_token_ids, **self.sampling, seeds=seeds)
+
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        """One request for the batch (each row without its padding), from the background worker during an
+        overlapped `session()` (its errors are raised where the answer is read), else at once. With `distribution`,
+        the teacher's `top_k` log-probs per position (vLLM's `prompt_logprobs=top_k`)."""
+        sequences, lengths = [p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts]
+        if not sequences:
+            return []
+        top_k = self.top_k if distribution else 0
+        if self._requests is not None:
+            scores = self._requests.submit(self._scores, sequences, lengths, top_k)
+        else:
+            scores = answered(self._scores(sequences, lengths, top_k))
+        return batch_rows(scores, len(sequences))
+
+    def _scores(self, sequences, lengths, top_k) -> list[RowScores]:
+        if not top_k:
+            return [RowScores(torch.tensor(row)) for row in self.server.logps(sequences, lengths)]
+        return [
+            RowScores(
+                torch.tensor(row["actual_logprobs"]),
+                torch.tensor(row["logprob_token_ids"], dtype=torch.long).view(-1, top_k),
+                torch.tensor(row["logprobs"], dtype=torch.float32).view(-1, top_k),
+            )
+            for row in self.server.top_logps(sequences, lengths, top_k)
+        ]
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
+        if not batch["teacher_scores"]:  # a router sent this rank's rows to other teachers
+            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        scores = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"])
+        loss = topk_tail_divergence(
+            student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
+        )
+        return loss, scores.logps
