@@ -35,13 +35,16 @@ import copy
 import logging
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import is_peft_model
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.utils.peft_utils import find_adapter_config_file
 from trl.data_utils import is_conversational
@@ -238,8 +241,13 @@ class InProcessTeacher(Teacher):
         student_vocab, teacher_vocab = map(_vocab_size, (trainer.model, self.model))
         if teacher_vocab > student_vocab:
             generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
+        # A teacher that shares the student turns its gradient checkpointing back on after generating: with the run's
+        # kwargs, as GRPO's own generation does (TRL forces `use_reentrant=True` for PEFT under ZeRO-3)
         with unwrap_model_for_generation(
-            self.generation_model, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
+            self.generation_model,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as teacher:
             out = teacher.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
@@ -360,13 +368,19 @@ class SelfTeacher(InProcessTeacher):
       under ZeRO-3 gathers the student's shards as GRPO's own generation does);
     - `"ema"`: a frozen copy moved toward the student after every optimizer step by `args.teacher_update_rate`,
       written into each checkpoint and read back on resume; for a PEFT student, an average of its trained (adapter)
-      parameters only, swapped into the student module for the teacher's calls (the base is shared and frozen).
+      parameters only, swapped into the student module for the teacher's calls (the base is shared and frozen). The
+      average is kept in fp32 whatever the weights' dtype, and cast into the teacher's (16-bit) weights after each
+      update, or into the adapter's dtype for each call: a 16-bit average rounds each small step away (20 updates at
+      rate 0.05 toward a student 1% away move a bf16 average not at all).
 
     Under DeepSpeed ZeRO-3 the student is partitioned before this is made, so a deep copy would hold empty shards:
     the copy (`"base"`, `"ema"` of a full-weight student) is loaded again from the student's path, as the student was
-    (partitioned as it loads, as TRL loads GRPO's reference model), and prepared as an in-process teacher is; the
-    average is then taken on gathered parameters. A student given as a model instance has no path to load: refused
-    there. A PEFT student's `"ema"` is refused under ZeRO-3 (its adapter is partitioned too: the swap needs it whole).
+    (partitioned as it loads, as TRL loads GRPO's reference model), and prepared as an in-process teacher is. Each
+    process then keeps the fp32 average of its own partition of each parameter, updated from the student's partition
+    of the same parameter (ZeRO-3 lays the two out alike): nothing is gathered, and each process holds its share of
+    one fp32 copy of the model. A student given as a model instance has no path to load: refused there. A PEFT
+    student's `"ema"` is refused under ZeRO-3 (its adapter is partitioned too: the swap needs it whole), and `"ema"`
+    under FSDP (the student's parameters become DTensor shards, which the average cannot be combined with).
 
     Args:
         trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
@@ -381,6 +395,15 @@ class SelfTeacher(InProcessTeacher):
         args = trainer.args
         self.kind, self.template = args.teacher_model_kind, args.teacher_prompt_template
         student = trainer.model
+        if self.kind == "ema" and (
+            trainer.is_fsdp_enabled or any(isinstance(p, DTensor) for p in student.parameters())
+        ):
+            raise ValueError(
+                "teacher_model_kind='ema' under FSDP is not supported: FSDP shards the student's parameters into "
+                "DTensors, and the average (of a copy made unsharded, or of the adapter swapped into the student) "
+                "cannot be combined with the shards. Use DDP or DeepSpeed (ZeRO-2 for a PEFT student) for an EMA "
+                "teacher"
+            )
         peft = is_peft_model(student)
         zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
         self.zero3 = zero3
@@ -401,10 +424,13 @@ class SelfTeacher(InProcessTeacher):
                 # The parameters the optimizer trains (the adapter, and any `modules_to_save` copies); the base is
                 # frozen, so it is the same for student and teacher and is not copied
                 self._trained = [(name, p) for name, p in student.named_parameters() if p.requires_grad]
-                self._adapter_average = {name: p.detach().clone() for name, p in self._trained}
+                # fp32: DeepSpeed with bf16/fp16 casts the adapter in place when it prepares the student, after this
+                self._adapter_average = {name: p.detach().to(torch.float32, copy=True) for name, p in self._trained}
                 trainer.add_callback(_MovingAverage(self, args.teacher_update_rate))
             return
         if zero3:
+            if self.kind == "ema":
+                _refuse_unaligned_partitions(trainer.accelerator.state.deepspeed_plugin)
             if student_path is None:
                 raise ValueError(
                     f"teacher_model_kind={self.kind!r} under DeepSpeed ZeRO-3 with a student given as a model "
@@ -418,8 +444,21 @@ class SelfTeacher(InProcessTeacher):
             # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward:
             # the copy would call the student's. Drop it; `InProcessTeacher` adds the head to the copy itself.
             teacher.__dict__.pop("forward", None)
+            # Likewise `cast_lm_head_to_fp32` gave the student's head a forward reading the student's head weight (a
+            # deep copy keeps functions as they are): the copy's head projects in fp32 with its own weight
+            head = teacher.get_output_embeddings()
+            if "forward" in vars(head):
+                head.forward = partial(_fp32_projection, head)
+        # The average's fp32 starting point, taken before the copy is prepared (DeepSpeed with bf16/fp16 casts every
+        # parameter in place then): the copy's own tensors where they already are fp32
+        start = {name: p.detach().float() for name, p in teacher.named_parameters()} if not zero3 else {}
         super().__init__(trainer, teacher)
+        self._master = {}  # name -> fp32 average of a weight the teacher holds in 16 bits (its ZeRO-3 partition)
         if self.kind == "ema":
+            for name, weight in self._unwrapped().named_parameters():
+                if weight.dtype in (torch.float16, torch.bfloat16):
+                    local = _local(weight)
+                    self._master[name] = start.get(name, local).to(local.device, torch.float32)
             trainer.add_callback(_MovingAverage(self, args.teacher_update_rate))
 
     @property
@@ -440,47 +479,57 @@ class SelfTeacher(InProcessTeacher):
     def _averaged_adapter(self):
         """The averaged adapter in the student's parameters for the duration, the student's own back after.
 
-        The tensors are exchanged (`param.data` re-pointed, nothing copied, so no second adapter copy is made) rather
-        than written in place: in the `divergence` loss the teacher runs while the student's graph is alive, and an
-        in-place write would bump the parameters' version counters and fail its backward. The student's values are
-        back before that backward runs."""
-        average = self._adapter_average
-        with torch.no_grad():
-            for name, param in self._trained:
-                param.data, average[name] = average[name], param.data
+        `param.data` is re-pointed at the average (itself when the adapter is fp32; cast to the adapter's dtype and
+        device when DeepSpeed holds it in 16 bits or moved it) rather than written in place: in the `divergence` loss
+        the teacher runs while the student's graph is alive, and an in-place write would bump the parameters' version
+        counters and fail its backward. The student's tensors are back before that backward runs."""
+        own = {name: param.data for name, param in self._trained}
+        for name, param in self._trained:
+            param.data = self._adapter_average[name].to(param.device, param.dtype)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, param in self._trained:
-                    param.data, average[name] = average[name], param.data
+            for name, param in self._trained:
+                param.data = own[name]
 
     def update_average(self, rate: float) -> None:
-        """`teacher <- (1 - rate) * teacher + rate * student`, after an optimizer step (on every process: each holds
-        its own copy, or its partitions of it under ZeRO-3)."""
+        """`average <- (1 - rate) * average + rate * student` in fp32, after an optimizer step (on every process: each
+        holds its own copy, or under ZeRO-3 its partitions of it, updated from the student's partitions of the same
+        parameters), then cast into the teacher's weights."""
         with torch.no_grad():
             if self._adapter_average is not None:
                 for name, param in self._trained:
-                    self._adapter_average[name].lerp_(param.detach(), rate)
+                    # On the adapter's device: DeepSpeed moves the student there after the average was made
+                    average = self._adapter_average[name] = self._adapter_average[name].to(param.device)
+                    average.lerp_(param.detach().to(average.dtype), rate)
                 return
-            student = self.trainer.accelerator.unwrap_model(self.trainer.model)
-            # The copy holds the student's parameters in the same order (tied ones once)
-            pairs = zip(self._unwrapped().named_parameters(), student.named_parameters(), strict=True)
-            for (name, averaged), (student_name, current) in pairs:
-                assert name == student_name, (name, student_name)
-                # Under ZeRO-3, one pair of parameters gathered at a time (never two whole models on a process); the
-                # main process's result is broadcast back into every process's partition of the teacher
-                with self._gathered(current), self._gathered(averaged, modifier_rank=0):
-                    if not self.zero3 or self.trainer.accelerator.is_main_process:
-                        averaged.lerp_(current.detach().to(averaged.dtype), rate)
+            # The copy holds the student's parameters under the same names (tied ones once)
+            student = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
+            for name, weight, average in self._averages():
+                average.lerp_(_local(student[name]).detach().to(average.dtype), rate)
+                self._cast_into(weight, average)
 
-    def _gathered(self, param, modifier_rank=None):
-        """`param` whole on every process for the duration under ZeRO-3 (a collective); nothing otherwise."""
-        if not self.zero3:
-            return nullcontext()
-        import deepspeed
+    def _averages(self):
+        """`(name, weight, average)` for each averaged tensor: its fp32 average (of this process's partition under
+        ZeRO-3) and the teacher parameter that average is cast into (`None` for a PEFT adapter's: swapped in for each
+        call instead). A weight the teacher holds in 32 bits is its own average."""
+        if self._adapter_average is not None:
+            return [(name, None, average) for name, average in self._adapter_average.items()]
+        weights = self._unwrapped().named_parameters()
+        return [(name, weight, self._master.get(name, _local(weight))) for name, weight in weights]
 
-        return deepspeed.zero.GatheredParameters([param], modifier_rank=modifier_rank)
+    def _cast_into(self, weight, average) -> None:
+        """`average` into the teacher's `weight` (this process's partition of it under ZeRO-3), in its dtype."""
+        local = _local(weight)
+        if average is not local:
+            local.copy_(average)
+        if self.zero3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            # A small parameter stays gathered between forwards (ZeRO-3's persistence threshold): drop the whole copy
+            # of the old values, so the next forward gathers the new partitions
+            if weight.ds_status == ZeroParamStatus.AVAILABLE:
+                weight.partition()
 
     def prompts(self, student_prompts, rows):
         missing = [i for i, row in enumerate(rows) if row.get("privileged_context") is None]
@@ -527,21 +576,17 @@ class SelfTeacher(InProcessTeacher):
         with self._weights():
             return super().divergence_loss(student, student_hidden, batch, loss_mask, normalizer, beta, temperature)
 
-    def _averaged_weights(self):
-        """`(name, tensor)` of what the average holds: the adapter's average, or the copy's parameters."""
-        if self._adapter_average is not None:
-            return list(self._adapter_average.items())
-        return list(self._unwrapped().named_parameters())
-
     def save_state(self, output_dir):
+        """The fp32 average, whole (so a resumed run continues it exactly)."""
         if self.kind != "ema":
             return
         should_save = self.trainer.args.should_save  # every process holds the same average: one writes it
         weights = {}
-        for name, param in self._averaged_weights():
-            with self._gathered(param):  # collective under ZeRO-3: every process joins, one keeps the whole tensor
-                if should_save:
-                    weights[name] = param.detach().to("cpu", copy=True).contiguous()
+        for name, weight, average in self._averages():
+            if self.zero3:  # the processes' partitions, gathered (a collective: every process joins)
+                average = self.trainer.accelerator.gather(average)[: weight.ds_numel].view(weight.ds_shape)
+            if should_save:
+                weights[name] = average.detach().to("cpu", copy=True).contiguous()
         if should_save:
             save_file(weights, str(Path(output_dir) / self.EMA_FILE))
 
@@ -554,15 +599,15 @@ class SelfTeacher(InProcessTeacher):
                 f"{path} not found: {checkpoint} holds no EMA teacher, so this run cannot resume the one it averaged "
                 "(a checkpoint from a run without teacher_model_kind='ema'?)"
             )
-        # Under ZeRO-3 the main process reads each tensor into the gathered parameter and it is broadcast into every
-        # process's partition; otherwise each process reads it into its own copy
-        reads = not self.zero3 or self.trainer.accelerator.is_main_process
-        saved = safe_open(str(path), framework="pt") if reads else nullcontext()
-        with saved as tensors, torch.no_grad():
-            for name, param in self._averaged_weights():
-                with self._gathered(param, modifier_rank=0):
-                    if reads:
-                        param.copy_(tensors.get_tensor(name))
+        # Each process reads the average into its own (under ZeRO-3, its partition of each tensor), then the weights
+        with safe_open(str(path), framework="pt") as tensors, torch.no_grad():
+            for name, weight, average in self._averages():
+                saved = tensors.get_tensor(name)
+                if self.zero3:
+                    saved = _partition(saved, average.numel(), self.trainer.accelerator.process_index)
+                average.copy_(saved)
+                if weight is not None:
+                    self._cast_into(weight, average)
 
     def _unwrapped(self):
         return self.trainer.accelerator.unwrap_model(self.model)
@@ -577,6 +622,37 @@ class _MovingAverage(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.teacher.update_average(self.rate)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The part of `param` this process holds: its ZeRO-3 partition (flat), or the parameter itself."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param
+
+
+def _partition(tensor: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """Process `rank`'s ZeRO-3 partition of `tensor`: its `size` elements of the flattened tensor, the last one padded
+    at the end (ZeRO-3 splits a parameter evenly across the processes)."""
+    part = tensor.flatten()[rank * size : (rank + 1) * size]
+    return torch.cat([part, part.new_zeros(size - part.numel())])
+
+
+def _refuse_unaligned_partitions(plugin) -> None:
+    """A full-weight EMA under ZeRO-3 is updated in each process's partitions of the student and the teacher: refuse
+    the settings that keep the teacher's partitions elsewhere."""
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    if zero.get("zero_hpz_partition_size", 1) > 1 or (zero.get("offload_param") or {}).get("device") == "nvme":
+        raise ValueError(
+            "teacher_model_kind='ema' under DeepSpeed ZeRO-3 with hpZ (zero_hpz_partition_size > 1) or NVMe parameter "
+            "offload is not supported: the average is written into each process's partition of the teacher, and hpZ "
+            "keeps a second copy of a frozen model's partitions that would not follow (NVMe offload swaps them out). "
+            "Turn these off, or use teacher_model_kind='base' or 'live'"
+        )
+
+
+def _fp32_projection(head, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`head`'s projection in fp32 (what GRPO's `cast_lm_head_to_fp32` makes an LM head compute)."""
+    bias = None if head.bias is None else head.bias.float()
+    return F.linear(hidden_states.float(), head.weight.float(), bias)
 
 
 def _load_like_student(path: str, args) -> PreTrainedModel:
