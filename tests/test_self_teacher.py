@@ -507,6 +507,20 @@ def test_ema_teacher_under_fsdp_is_refused(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize(
+    "zero", [{"zero_hpz_partition_size": 2}, {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}]
+)
+def test_ema_teacher_under_zero3_with_partitions_kept_elsewhere_is_refused(zero):
+    """Under ZeRO-3 the average is written into each process's partitions of the teacher: hpZ keeps a second copy of
+    a frozen model's partitions, NVMe offload swaps them out; refused, naming the setting."""
+    from trl_statelens.teachers import _refuse_unaligned_partitions
+
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3, **zero}})
+    with pytest.raises(ValueError, match="hpZ .* or NVMe parameter offload is not supported"):
+        _refuse_unaligned_partitions(plugin)
+    _refuse_unaligned_partitions(SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}}))
+
+
 # ----- a teacher that shares the student leaves its training settings alone -----------------------------------------
 def test_teacher_generation_keeps_the_students_gradient_checkpointing_kwargs(
     tmp_path, math_trained_path, math_dataset
