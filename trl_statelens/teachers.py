@@ -451,7 +451,8 @@ class SelfTeacher(InProcessTeacher):
                 head.forward = partial(_fp32_projection, head)
         # The average's fp32 starting point, taken before the copy is prepared (DeepSpeed with bf16/fp16 casts every
         # parameter in place then): the copy's own tensors where they already are fp32
-        start = {name: p.detach().float() for name, p in teacher.named_parameters()} if not zero3 else {}
+        ema_copy = self.kind == "ema" and not zero3
+        start = {name: p.detach().float() for name, p in teacher.named_parameters()} if ema_copy else {}
         super().__init__(trainer, teacher)
         self._master = {}  # name -> fp32 average of a weight the teacher holds in 16 bits (its ZeRO-3 partition)
         if self.kind == "ema":
