@@ -29,25 +29,30 @@ def free_port() -> int:
 
 
 def launch_zero3(script: str, *args, timeout: int, hang: str) -> None:
-    """`accelerate launch` two ZeRO-3 ranks of `tests/scripts/<script>` with `args`, asserting that it exits 0. A run
-    still going after `timeout` s is killed whole (the launcher and both ranks share its new session) and fails with
-    `hang`, as a deadlock of the ranks' collectives would."""
+    """`accelerate launch` two ZeRO-3 ranks of `tests/scripts/<script>` with `args` (see `launch`)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
     command = [
         str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
         "--main_process_port", str(free_port()), str(SCRIPT.parent / script), *map(str, args),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
+    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=timeout, hang=hang)
+
+
+def launch(command: list[str], env: dict, timeout: int, hang: str) -> None:
+    """Run a multi-process `command` (one thread per rank, `env` added), asserting that it exits 0. A run still going
+    after `timeout` s is killed whole (the launcher and its ranks share its new session) and fails with `hang`, as a
+    deadlock of the ranks' collectives would."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
     try:
-        _, stderr = launch.communicate(timeout=timeout)
+        _, stderr = run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        _, stderr = launch.communicate()
+        os.killpg(run.pid, signal.SIGKILL)
+        _, stderr = run.communicate()
         pytest.fail(f"{hang}: {stderr[-2000:]}")
-    assert launch.returncode == 0, stderr[-4000:]
+    assert run.returncode == 0, stderr[-4000:]
 
 
 @pytest.mark.multiproc

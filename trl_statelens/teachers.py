@@ -42,6 +42,7 @@ import torch
 from accelerate.utils import is_peft_model
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.utils.peft_utils import find_adapter_config_file
 from trl.data_utils import is_conversational
@@ -367,6 +368,8 @@ class SelfTeacher(InProcessTeacher):
     (partitioned as it loads, as TRL loads GRPO's reference model), and prepared as an in-process teacher is; the
     average is then taken on gathered parameters. A student given as a model instance has no path to load: refused
     there. A PEFT student's `"ema"` is refused under ZeRO-3 (its adapter is partitioned too: the swap needs it whole).
+    A full-weight student that FSDP2 has already sharded when the trainer is made (`from_pretrained(distributed_config=
+    ...)`, `fully_shard`) cannot be copied: `"base"` and `"ema"` are refused there.
 
     Args:
         trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
@@ -414,6 +417,7 @@ class SelfTeacher(InProcessTeacher):
                 )
             teacher = _load_like_student(student_path, args)
         else:
+            _refuse_copying_sharded(student, self.kind)
             teacher = copy.deepcopy(student)
             # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward:
             # the copy would call the student's. Drop it; `InProcessTeacher` adds the head to the copy itself.
@@ -566,6 +570,21 @@ class SelfTeacher(InProcessTeacher):
 
     def _unwrapped(self):
         return self.trainer.accelerator.unwrap_model(self.model)
+
+
+def _refuse_copying_sharded(student, kind: str) -> None:
+    """A `"base"`/`"ema"` self teacher is a copy of the student, and FSDP2's modules refuse `copy.deepcopy` (with a
+    bare assertion): refuse a student whose parameters are already DTensors. accelerate's FSDP2 shards the student
+    later, in `train()`, after the copy is made."""
+    if any(isinstance(p, DTensor) for p in student.parameters()):
+        raise ValueError(
+            f"teacher_model_kind={kind!r} with a student already sharded by FSDP2 (its parameters are DTensors, as "
+            "`from_pretrained(distributed_config=...)` or `fully_shard` leave them): this teacher is a copy of the "
+            "student, and an FSDP2 module cannot be copied. Use teacher_model_kind='live' (the student itself, no "
+            "copy); a LoRA student (peft_config), whose 'base' teacher is its adapter disabled and whose 'ema' "
+            "averages its adapter (no copy); or, for 'base', the student given unsharded, which accelerate's FSDP2 "
+            "(recipes/accelerate/fsdp2.yaml) shards after the copy is made"
+        )
 
 
 class _MovingAverage(TrainerCallback):
