@@ -29,9 +29,7 @@ def free_port() -> int:
 
 
 def launch_zero3(script: str, *args, timeout: int, hang: str, stage: int = 3, mixed_precision: str = "no") -> None:
-    """`accelerate launch` two ZeRO-3 (or `stage`) ranks of `tests/scripts/<script>` with `args`, asserting that it
-    exits 0. A run still going after `timeout` s is killed whole (the launcher and both ranks share its new session)
-    and fails with `hang`, as a deadlock of the ranks' collectives would."""
+    """`accelerate launch` two ZeRO-3 (or `stage`) ranks of `tests/scripts/<script>` with `args` (see `launch`)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).parents[1] / "recipes" / "accelerate" / f"zero{stage}.yaml"
     command = [
@@ -39,16 +37,28 @@ def launch_zero3(script: str, *args, timeout: int, hang: str, stage: int = 3, mi
         "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()),
         str(SCRIPT.parent / script), *map(str, args),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
+    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=timeout, hang=hang)
+
+
+def launch(command: list[str], env: dict, timeout: int, hang: str) -> None:
+    """Run a multi-process `command` (one thread per rank, `env` added), asserting that it exits 0. A run still going
+    after `timeout` s fails with `hang`, as a deadlock of the ranks' collectives would: the launcher is stopped with
+    SIGTERM, on which torch's elastic agent ends the ranks (it starts each in a session of its own, which a kill of
+    the launcher's group would leave running), then killed whole after 60 s."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
     try:
-        _, stderr = launch.communicate(timeout=timeout)
+        _, stderr = run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        _, stderr = launch.communicate()
+        os.killpg(run.pid, signal.SIGTERM)
+        try:
+            _, stderr = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            _, stderr = run.communicate()
         pytest.fail(f"{hang}: {stderr[-2000:]}")
-    assert launch.returncode == 0, stderr[-4000:]
+    assert run.returncode == 0, stderr[-4000:]
 
 
 @pytest.mark.multiproc

@@ -7,6 +7,7 @@ import pytest
 import torch
 from cpu_settings import CPU
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
@@ -486,24 +487,38 @@ def test_dataset_without_privileged_context_is_rejected_before_the_model_loads(t
 
 def test_ema_teacher_under_fsdp_is_refused(tmp_path, monkeypatch):
     """FSDP shards the student into DTensors, which the average (of a copy, or of an adapter swapped into the student)
-    cannot be combined with: refused when the trainer runs FSDP, or when the student's parameters are already sharded
-    (`fully_shard` applied directly), before any copy is made."""
+    cannot be combined with: refused when the trainer runs FSDP, a full-weight student's and a PEFT student's alike
+    (under accelerate's FSDP2 a LoRA "ema" silently taught as the live student), and when the parameters the average
+    is taken of are already sharded (`fully_shard` applied directly), before any copy is made. A full-weight student
+    already sharded is refused as one that cannot be copied, "base" as well."""
     import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import fully_shard
 
+    def peft_model():
+        return get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"]))
+
     args = opd_config(tmp_path, teacher_model_kind="ema")
-    plain = SimpleNamespace(args=args, model=torch.nn.Linear(4, 4), is_fsdp_enabled=True)
-    with pytest.raises(ValueError, match="teacher_model_kind='ema' under FSDP"):
-        SelfTeacher(plain)
+    for model in (torch.nn.Linear(4, 4), peft_model()):
+        plain = SimpleNamespace(args=args, model=model, is_fsdp_enabled=True)
+        with pytest.raises(ValueError, match="teacher_model_kind='ema' under FSDP"):
+            SelfTeacher(plain)
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = torch.nn.Linear(4, 4)
-        fully_shard(model, mesh=dist.device_mesh.init_device_mesh("cpu", (1,)))
-        sharded = SimpleNamespace(args=args, model=model, is_fsdp_enabled=False)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        peft = fully_shard(peft_model(), mesh=mesh)
+        assert any(isinstance(p, DTensor) for p in peft.parameters() if p.requires_grad)
         with pytest.raises(ValueError, match="teacher_model_kind='ema' under FSDP"):
-            SelfTeacher(sharded)
+            SelfTeacher(SimpleNamespace(args=args, model=peft, is_fsdp_enabled=False))
+        full = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        for kind in ("base", "ema"):
+            sharded = SimpleNamespace(args=opd_config(tmp_path, teacher_model_kind=kind), model=full)
+            with pytest.raises(
+                ValueError, match=f"teacher_model_kind='{kind}' with a student already sharded by FSDP2"
+            ):
+                SelfTeacher(sharded)
     finally:
         dist.destroy_process_group()
 

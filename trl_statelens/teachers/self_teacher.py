@@ -17,6 +17,7 @@ from .self_teacher_weights import (
     SharedStudent,
     TeacherWeights,
     refuse_average_under_fsdp,
+    refuse_copying_sharded,
 )
 
 
@@ -45,7 +46,9 @@ class SelfTeacher(InProcessTeacher):
 
     Under DeepSpeed ZeRO-3 a copy is loaded again from the student's path (a student given as a model instance is
     refused there), and each process averages its own partitions; a PEFT student's `"ema"` is refused there, and
-    `"ema"` of either kind under FSDP (the student's parameters become DTensor shards).
+    `"ema"` of either kind under accelerate's FSDP (the student's parameters become DTensor shards). A full-weight
+    student that FSDP2 has already sharded when the trainer is made (`from_pretrained(distributed_config=...)`,
+    `fully_shard`) cannot be copied: `"base"` and `"ema"` are refused there.
 
     Args:
         trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
@@ -121,9 +124,12 @@ class SelfTeacher(InProcessTeacher):
 def _weights(kind: str, trainer, student_path: str | None) -> TeacherWeights:
     """The weights of a self teacher of `kind` (see [`SelfTeacher`]): a PEFT student's, and the live student's, are
     the student module's own; a full-weight student's `"base"` and `"ema"` are a copy."""
+    shared = kind == "live" or is_peft_model(trainer.model)
+    if not shared:
+        refuse_copying_sharded(trainer.model, kind)
     if kind == "ema":
         refuse_average_under_fsdp(trainer)
-    if kind == "live" or is_peft_model(trainer.model):
+    if shared:
         if kind == "ema":
             return AdapterAverage(trainer)
         return SharedStudent(trainer, adapter_off=kind == "base")

@@ -238,15 +238,34 @@ def _zero3(trainer) -> bool:
 
 
 def refuse_average_under_fsdp(trainer) -> None:
-    """`"ema"` under FSDP: the student's parameters become DTensor shards (when the trainer runs FSDP, or already, when
-    `fully_shard` was applied to it), and neither average (of a copy made unsharded, or of an adapter swapped into the
-    student) can be combined with them. Refused before anything is copied."""
-    if trainer.is_fsdp_enabled or any(isinstance(p, DTensor) for p in trainer.model.parameters()):
+    """`"ema"` (of a copy, or of a PEFT student's adapter) under FSDP, refused before anything is copied. accelerate's
+    FSDP shards the student in `train()`, after the average is made: a copy's average would meet the student's
+    DTensor shards (a crash after the first step), and the adapter tensors an adapter average swaps in are replaced by
+    new DTensor parameters (it would silently teach as the live student). A student whose trained parameters are
+    already DTensors (`fully_shard`) likewise; a LoRA adapter on a base sharded at load is plain tensors, and is
+    averaged as under DDP."""
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    if trainer.is_fsdp_enabled or any(isinstance(p, DTensor) for p in trained):
         raise ValueError(
             "teacher_model_kind='ema' under FSDP is not supported: FSDP shards the student's parameters into "
             "DTensors, and the average (of a copy made unsharded, or of the adapter swapped into the student) "
             "cannot be combined with the shards. Use DDP or DeepSpeed (ZeRO-2 for a PEFT student) for an EMA "
             "teacher"
+        )
+
+
+def refuse_copying_sharded(student, kind: str) -> None:
+    """A `"base"`/`"ema"` self teacher of a full-weight student is a copy of it, and FSDP2's modules refuse
+    `copy.deepcopy` (with a bare assertion): refuse a student whose parameters are already DTensors. accelerate's
+    FSDP2 shards the student later, in `train()`, after the copy is made."""
+    if any(isinstance(p, DTensor) for p in student.parameters()):
+        raise ValueError(
+            f"teacher_model_kind={kind!r} with a student already sharded by FSDP2 (its parameters are DTensors, as "
+            "`from_pretrained(distributed_config=...)` or `fully_shard` leave them): this teacher is a copy of the "
+            "student, and an FSDP2 module cannot be copied. Use teacher_model_kind='live' (the student itself, no "
+            "copy); a LoRA student (peft_config), whose 'base' teacher is its adapter disabled and whose 'ema' "
+            "averages its adapter (no copy); or, for 'base', the student given unsharded, which accelerate's FSDP2 "
+            "(recipes/accelerate/fsdp2.yaml) shards after the copy is made"
         )
 
 
