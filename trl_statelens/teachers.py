@@ -22,11 +22,12 @@ Its vocabulary and tokenizer are checked against the student's when it is made. 
 - [`SelfTeacher`]: the student itself (its weights at the start, live, or an exponential average) reading a prompt
   built from the row's prompt and its `privileged_context`: self-distillation with privileged context.
 
-Every rank calls every method with its own rows, none included: an in-process teacher under ZeRO-3 gathers its
-parameters collectively, so each rank must join while any rank has rows (a served teacher is asked for a rank's own
-rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a
-[`TeacherRouter`] sends each row to the teacher of its `teacher_id` (several teachers, in-process and served mixed),
-and a [`SelfTeacher`] is handed its own prompts in place of the student's.
+Every rank calls every method with its own rows, none included: under ZeRO-3 each call that reaches a model (a
+forward, a generation, an output layer) is collective, so each rank makes as many as the others, agreed through
+`collective.py` and padded with stand-ins (a served teacher is asked for a rank's own rows only). Every method
+takes prompts and completions apart, and each row is answered on its own: so a [`TeacherRouter`] sends each row to
+the teacher of its `teacher_id` (several teachers, in-process and served mixed), and a [`SelfTeacher`] is handed its
+own prompts in place of the student's.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, pad
 
+from . import heads
 from .callback import trainer_generation_config
+from .collective import agreed_calls, agreed_chunks
 from .heads import _completion_hidden_states, _head_logps, _logit_post_processing, topk_tail_divergence
 
 logger = logging.getLogger(__name__)
@@ -209,20 +212,14 @@ class InProcessTeacher(Teacher):
         """The model `generate` unwraps (gathering ZeRO-3 shards): the prepared teacher."""
         return self.model
 
-    def _any_rank_has(self, rows: list) -> bool:
-        accelerator = self.trainer.accelerator
-        if accelerator.num_processes == 1:
-            return bool(rows)
-        return accelerator.gather(torch.tensor([len(rows)], device=accelerator.device)).sum().item() > 0
-
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
-        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): while any rank has rows,
-        # every rank generates, a rank without any on a stand-in row whose continuation it drops.
+        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): one call on every rank
+        # while any rank has rows, a rank without any on a stand-in row whose continuation it drops.
         sequences = _join(prompts, prefixes)
-        if not self._any_rank_has(sequences):
-            return []
         trainer = self.trainer
+        if not agreed_calls(trainer.accelerator, min(len(sequences), 1)):
+            return []
         pad_id = trainer._tokenizer.pad_token_id
         rows = [torch.tensor(s, dtype=torch.long) for s in sequences or [[pad_id]]]
         device = trainer.accelerator.device
@@ -250,13 +247,17 @@ class InProcessTeacher(Teacher):
     def score(self, prompts, completions, distribution=False, teachers=None):
         """Log-probs through the trainer's fused LM head, in chunks of the per-device batch size (as GRPO scores its
         reference model), on the rows padded as GRPO pads a batch; the full distribution is not fetched ahead:
-        `divergence_loss` projects it within the loss's forward. A rank without rows (a router sent them all to
-        other teachers) scores a stand-in row while any rank has some: the forward is collective under ZeRO-3."""
+        `divergence_loss` projects it within the loss's forward. Each chunk is a forward, collective under ZeRO-3:
+        every rank runs as many as the rank with the most rows of this teacher (a router splits rows unevenly), the
+        ones past its own rows on a stand-in row whose answer it drops."""
         if distribution:
             return None
-        if not self._any_rank_has(prompts):
-            return []
         trainer = self.trainer
+        args = trainer.args
+        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+        chunks = agreed_chunks(trainer.accelerator, len(prompts), batch_size)
+        if not chunks:
+            return []
         pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
         num_rows = len(prompts)
         prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
@@ -271,20 +272,24 @@ class InProcessTeacher(Teacher):
         completion_mask = pad(masks, padding_value=0, pad_to_multiple_of=multiple)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
-        args = trainer.args
-        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
-        )
+        logps = []
+        for rows in chunks:
+            if rows.start >= input_ids.size(0):  # a stand-in chunk: the first row again
+                rows = slice(0, 1)
+            chunk_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                self.model, input_ids[rows], attention_mask[rows], completion_ids.size(1), batch_size=batch_size
+            )
+            logps.append(chunk_logps)
+        logps = torch.cat(logps)  # this rank's rows first, then any stand-ins
         return _rows_answered([RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows])
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
-        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens. A rank without rows joins
-        the collectives on a stand-in row that supervises nothing while any rank has some."""
+        ZeRO-3-sharded heads itself, once each way), from the teacher's hidden states of the same tokens: one call
+        on every rank while any rank has rows, a rank without rows on a stand-in row that supervises nothing."""
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
-        if not self._any_rank_has(range(num_rows)):
+        if not agreed_calls(self.trainer.accelerator, min(num_rows, 1)):
             return student_hidden.sum() * 0.0, no_logps
         if num_rows == 0:
             batch, student_hidden, loss_mask = _stand_in_row(
@@ -619,11 +624,22 @@ class RemoteTeacher(Teacher):
             prefixes alike).
         overlap (`bool`): send scoring requests from a background thread during `session()`.
         top_k (`int`): the top log-probs per position that `score(..., distribution=True)` asks for.
+        accelerator: the trainer's, whose ranks agree on how often `divergence_loss` calls the student's output layer.
     """
 
-    def __init__(self, server, sampling: dict, eos_token_ids, seed_generator, overlap: bool = True, top_k: int = 0):
+    def __init__(
+        self,
+        server,
+        sampling: dict,
+        eos_token_ids,
+        seed_generator,
+        overlap: bool = True,
+        top_k: int = 0,
+        accelerator=None,
+    ):
         self.server, self.sampling, self.eos_token_ids = server, sampling, eos_token_ids
         self.seed_generator, self.overlap, self.top_k = seed_generator, overlap, top_k
+        self.accelerator = accelerator
         self._requests = None
 
     @classmethod
@@ -637,7 +653,13 @@ class RemoteTeacher(Teacher):
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         sampling = {name: getattr(trainer, name) for name in names}
         return cls(
-            server, sampling, trainer.eos_token_ids, trainer._source_generator, args.teacher_server_overlap, top_k
+            server,
+            sampling,
+            trainer.eos_token_ids,
+            trainer._source_generator,
+            args.teacher_server_overlap,
+            top_k,
+            trainer.accelerator,
         )
 
     @contextmanager
@@ -691,12 +713,20 @@ class RemoteTeacher(Teacher):
         ]
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
-        if not batch["teacher_logps"]:  # a router sent this rank's rows to other teachers
-            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
-        scores = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"])
+        """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`]). It calls
+        the student's output layer once per `heads.POSITION_CHUNK` supervised positions, a collective under ZeRO-3
+        (forward and backward): every rank makes as many calls as the rank with the most positions, the ones past its
+        own on empty chunks, and at least one, so that the layer is used on every rank (as DDP requires of an untied
+        head) even where a router sent this rank's rows to other teachers or every position is masked."""
+        chunks = agreed_chunks(self.accelerator, int((loss_mask != 0).sum()), heads.POSITION_CHUNK) or [slice(0, 0)]
+        if batch["teacher_logps"]:
+            scores = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"])
+        else:  # no rows of this teacher here
+            ids = torch.zeros((*batch["completion_ids"].shape, self.top_k), dtype=torch.long)
+            no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            scores = ResolvedScores(no_logps, ids, torch.full(ids.shape, float("-inf")))
         loss = topk_tail_divergence(
-            student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
+            student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature, chunks
         )
         return loss, scores.logps
 
@@ -704,8 +734,8 @@ class RemoteTeacher(Teacher):
 class TeacherRouter(Teacher):
     """Several teachers, each row answered by the one its `teacher_id` names (rows without one, or with `None`, by
     `default`): every method splits the rows by teacher, asks each teacher for its own, and puts the answers back in
-    row order. Every teacher is asked on every rank, with or without rows of its own there (an in-process teacher's
-    calls are collective under ZeRO-3, and it joins them on a stand-in row when it has none).
+    row order. Every teacher is asked on every rank, with or without rows of its own there (its model calls are
+    collective under ZeRO-3: it makes as many as on the other ranks, on stand-ins where it has fewer rows).
 
     Args:
         teachers (`dict[str, Teacher]`): the teachers by name, in-process and served mixed.
