@@ -613,8 +613,8 @@ def _as_text(value) -> str:
 
 
 class RemoteTeacher(Teacher):
-    """A teacher behind a vLLM server, through [`ServedTeacher`]; every rank asks for its own rows (no collective;
-    vLLM batches the ranks' concurrent requests itself).
+    """A teacher behind a vLLM server, through [`ServedTeacher`]; every rank asks for its own rows (its requests need
+    no collective; vLLM batches the ranks' concurrent requests itself).
 
     Args:
         server ([`ServedTeacher`]): the checked client.
@@ -622,20 +622,13 @@ class RemoteTeacher(Teacher):
         eos_token_ids (`list[int]`): where a continuation ends.
         seed_generator (`torch.Generator`): draws one seed per continuation (vLLM would sample a request's identical
             prefixes alike).
+        accelerator: the trainer's, whose ranks agree on how often `divergence_loss` calls the student's output layer.
         overlap (`bool`): send scoring requests from a background thread during `session()`.
         top_k (`int`): the top log-probs per position that `score(..., distribution=True)` asks for.
-        accelerator: the trainer's, whose ranks agree on how often `divergence_loss` calls the student's output layer.
     """
 
     def __init__(
-        self,
-        server,
-        sampling: dict,
-        eos_token_ids,
-        seed_generator,
-        overlap: bool = True,
-        top_k: int = 0,
-        accelerator=None,
+        self, server, sampling: dict, eos_token_ids, seed_generator, accelerator, overlap: bool = True, top_k: int = 0
     ):
         self.server, self.sampling, self.eos_token_ids = server, sampling, eos_token_ids
         self.seed_generator, self.overlap, self.top_k = seed_generator, overlap, top_k
@@ -657,9 +650,9 @@ class RemoteTeacher(Teacher):
             sampling,
             trainer.eos_token_ids,
             trainer._source_generator,
+            trainer.accelerator,
             args.teacher_server_overlap,
             top_k,
-            trainer.accelerator,
         )
 
     @contextmanager
