@@ -227,9 +227,11 @@ def test_a_served_teacher_at_another_temperature_is_refused(tmp_path, math_train
 
 
 def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
-    tmp_path, math_trained_path, math_teacher_path, math_dataset
+    tmp_path, math_trained_path, math_teacher_path, math_dataset, monkeypatch
 ):
     """Under ZeRO-3 another rank may hold this teacher's rows: a rank with none still runs its forward."""
+    from trl_statelens import collective
+
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
         teacher_model={"math": str(math_teacher_path)},
@@ -237,7 +239,7 @@ def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
         train_dataset=math_dataset,
     )
     teacher = trainer.teacher.teachers["math"]
-    teacher._any_rank_has = lambda rows: True  # as when another rank has rows
+    monkeypatch.setattr(collective, "gather_counts", lambda accelerator, count: [count, 1])  # another rank has rows
     forwards = []
     trainer.accelerator.unwrap_model(teacher.model).register_forward_hook(lambda *args: forwards.append(1))
     assert teacher.score([], []) == []

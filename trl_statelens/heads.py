@@ -108,6 +108,7 @@ def topk_tail_divergence(
     beta: float,
     normalizer,
     temperature: float = 1.0,
+    chunks: list[slice] | None = None,
 ) -> torch.Tensor:
     """Generalised JSD between student and teacher restricted to the teacher's top-k tokens plus a tail bucket.
 
@@ -126,11 +127,15 @@ def topk_tail_divergence(
         top_ids (`torch.Tensor`): `(B, T, k)` the teacher's top-k token ids per position.
         top_logps (`torch.Tensor`): `(B, T, k)` their teacher log-probs (`-inf` where absent).
         loss_mask (`torch.Tensor`): `(B, T)`, non-zero at the supervised positions.
+        chunks (`list[slice]`, *optional*): the supervised positions (in row order) projected per call of the output
+            layer; by default `POSITION_CHUNK` at a time. Under ZeRO-3 each call gathers the layer's shards: the
+            caller passes as many as every rank makes ([`agreed_chunks`]), empty ones included.
     """
     valid = loss_mask != 0
     hidden = student_hidden[valid]
     ids, teacher = top_ids[valid].to(hidden.device), top_logps[valid].to(hidden.device, torch.float32)
-    chunks = [slice(i, i + POSITION_CHUNK) for i in range(0, hidden.size(0), POSITION_CHUNK)]
+    if chunks is None:
+        chunks = [slice(i, i + POSITION_CHUNK) for i in range(0, hidden.size(0), POSITION_CHUNK)]
     losses = [
         topk_tail_jsd(_student_log_probs(unwrapped_model, hidden[c], temperature), ids[c], teacher[c], beta)
         for c in chunks

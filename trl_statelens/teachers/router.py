@@ -14,8 +14,8 @@ from .served import ServedTeacher
 class TeacherRouter(Teacher):
     """Several teachers, each row answered by the one its `teacher_id` names (rows without one, or with `None`, by
     `default`): every method splits the rows by teacher, asks each teacher for its own, and puts the answers back in
-    row order. Every teacher is asked on every rank, with or without rows of its own there (an in-process teacher's
-    calls are collective under ZeRO-3, and it joins them on a stand-in row when it has none).
+    row order. Every teacher is asked on every rank, with or without rows of its own there (its model calls are
+    collective under ZeRO-3: it makes as many as on the other ranks, on stand-ins where it has fewer rows).
 
     Args:
         teachers (`dict[str, Teacher]`): the teachers by name, in-process and served mixed.
