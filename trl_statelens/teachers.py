@@ -46,11 +46,10 @@ from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.utils.peft_utils import find_adapter_config_file
 from trl.data_utils import is_conversational
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
-from trl.trainer.distillation_trainer import _chunked_divergence_loss
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, pad
 
 from .callback import trainer_generation_config
-from .heads import _completion_hidden_states, _head_logps, _logit_post_processing, topk_tail_divergence
+from .heads import _completion_hidden_states, divergence_and_token_logps, topk_tail_divergence
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +79,17 @@ class ResolvedScores(NamedTuple):
     logps: torch.Tensor
     top_ids: torch.Tensor | None
     top_logps: torch.Tensor | None
+
+
+class Divergence(NamedTuple):
+    """A micro-batch's `divergence` loss, and per completion position `(B, T)` the teacher's log-prob of the token,
+    and the student's log-prob of it and entropy there when the loss's own pass gives them (`None` otherwise: the
+    trainer projects them itself)."""
+
+    loss: torch.Tensor
+    teacher_logps: torch.Tensor
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
 
 
 def answered(value) -> Future:
@@ -165,11 +175,12 @@ class Teacher:
 
     def divergence_loss(
         self, student, student_hidden, batch: dict, loss_mask, normalizer, beta: float, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Divergence:
         """The `divergence` loss of a micro-batch (`batch`: its prompt and completion tensors, and its `teacher_logps`
         rows from `score(..., distribution=True)`, and with a router each row's `teacher`) given the student's (unwrapped `student`) final hidden states
         `(B, T, H)` at its completion positions, summed over positions with `loss_mask != 0` and divided by
-        `normalizer`; and the teacher's log-prob of each completion token `(B, T)`, for the metrics."""
+        `normalizer`; and the teacher's log-prob of each completion token `(B, T)`, for the metrics and records (with the
+        student's log-probs and entropies, when its pass gives them: [`Divergence`])."""
         raise NotImplementedError
 
 
@@ -279,13 +290,14 @@ class InProcessTeacher(Teacher):
         return _rows_answered([RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows])
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
-        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens. A rank without rows joins
-        the collectives on a stand-in row that supervises nothing while any rank has some."""
+        """TRL's exact generalised JSD over the full vocabulary, in chunks (its divergence kernel, as
+        `DistillationTrainer` runs it; ZeRO-3-sharded heads gathered), from the teacher's hidden states of the same
+        tokens, with the per-token log-probs and entropies from the same pass ([`divergence_and_token_logps`]). A
+        rank without rows joins the collectives on a stand-in row that supervises nothing while any rank has some."""
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         if not self._any_rank_has(range(num_rows)):
-            return student_hidden.sum() * 0.0, no_logps
+            return Divergence(student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
         if num_rows == 0:
             batch, student_hidden, loss_mask = _stand_in_row(
                 batch, student_hidden, self.trainer._tokenizer.pad_token_id
@@ -299,31 +311,23 @@ class InProcessTeacher(Teacher):
             teacher_hidden = trainer._forward_redirection(
                 self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
             )
-        student_head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
-        (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
-            _logit_post_processing, (student, teacher)
-        )
-        loss, _, _ = _chunked_divergence_loss(
+        # The loss and the records' per-token values (both models' token log-probs, the student's entropy) in one
+        # pass over the vocabulary
+        out = divergence_and_token_logps(
+            student,
             student_hidden,
+            teacher,
             teacher_hidden,
-            student_head.weight,
-            teacher_head.weight,
+            batch["completion_ids"],
             loss_mask,
-            beta=beta,
-            num_items_in_batch=normalizer,
-            student_lm_head_bias=student_head.bias,
-            teacher_lm_head_bias=teacher_head.bias,
-            student_logit_scale=student_scale,
-            teacher_logit_scale=teacher_scale,
-            student_final_logit_softcapping=student_softcap,
-            teacher_final_logit_softcapping=teacher_softcap,
-            temperature=temperature,
+            batch["completion_mask"],
+            beta,
+            normalizer,
+            temperature,
         )
-        with torch.no_grad():
-            teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
         if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
-            return loss + student_hidden.sum() * 0.0, no_logps
-        return loss, teacher_logps
+            return Divergence(out.loss + student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
+        return Divergence(out.loss, out.teacher_logps, out.logps, out.entropies)
 
 
 def _stand_in_row(batch: dict, student_hidden, pad_id: int):
@@ -693,12 +697,14 @@ class RemoteTeacher(Teacher):
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
         if not batch["teacher_logps"]:  # a router sent this rank's rows to other teachers
-            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            return Divergence(
+                student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            )
         scores = resolve_rows(batch["teacher_logps"], batch["completion_ids"], batch["completion_mask"])
         loss = topk_tail_divergence(
             student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
         )
-        return loss, scores.logps
+        return Divergence(loss, scores.logps)
 
 
 class TeacherRouter(Teacher):
@@ -768,9 +774,13 @@ class TeacherRouter(Teacher):
         return None if all(row is None for row in scored) else scored
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """The sum of each teacher's loss on its rows (each already divided by the whole `normalizer`)."""
+        """The sum of each teacher's loss on its rows (each already divided by the whole `normalizer`); the student's
+        per-token values only when every teacher gave them."""
         total = student_hidden.sum() * 0.0
-        teacher_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        per_token = {
+            field: torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            for field in ("teacher_logps", "logps", "entropies")
+        }
         for name, rows in self._rows_by_teacher(batch["teacher"], len(batch["teacher"])).items():
             index = torch.tensor(rows, dtype=torch.long, device=student_hidden.device)
             part = {
@@ -778,12 +788,16 @@ class TeacherRouter(Teacher):
             }
             scores = batch["teacher_logps"]
             part["teacher_logps"] = [scores[i] for i in rows] if scores is not None else None
-            loss, logps = self.teachers[name].divergence_loss(
+            answer = self.teachers[name].divergence_loss(
                 student, student_hidden[index], part, loss_mask[index], normalizer, beta, temperature
             )
-            total = total + loss
-            teacher_logps[index] = logps.to(teacher_logps.dtype)
-        return total, teacher_logps
+            total = total + answer.loss
+            for field, values in per_token.items():
+                if values is not None and getattr(answer, field) is not None:
+                    values[index] = getattr(answer, field).to(values.dtype)
+                else:
+                    per_token[field] = None
+        return Divergence(total, **per_token)
 
 
 def load_teachers(teacher_models: dict, args) -> dict[str, tuple]:
