@@ -178,43 +178,51 @@ def test_divergence_records_come_from_the_loss_pass_equal_to_separate_passes(
         torch.testing.assert_close(recorded[field][supervised], pad(want)[supervised], rtol=0, atol=2e-6)
 
 
-def test_divergence_pass_gives_trl_loss_and_gradient(tokenizer, student_path, teacher_path):
+@pytest.mark.parametrize("compact", [False, True])
+def test_divergence_pass_gives_trl_loss_and_gradient(monkeypatch, student_path, teacher_path, compact):
     """`divergence_and_token_logps`'s loss and its gradients (student hidden states and head) are those of TRL's
-    `_chunked_divergence_loss`, on a mask with unsupervised completion positions."""
+    `_chunked_divergence_loss`, on a mask with unsupervised completion positions; its per-token values are the same
+    whether every position is projected (CPU) or the wanted ones only (`compact`, as on Triton devices)."""
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
-    from trl_statelens.heads import divergence_and_token_logps
+    from trl_statelens import heads
 
     student = AutoModelForCausalLM.from_pretrained(student_path)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
     torch.manual_seed(0)
-    hidden_size = student.config.hidden_size
-    student_hidden = torch.randn(3, 5, hidden_size, requires_grad=True)
+    student_hidden = torch.randn(3, 5, student.config.hidden_size, requires_grad=True)
     teacher_hidden = torch.randn(3, 5, teacher.config.hidden_size)
     tokens = torch.randint(0, student.config.vocab_size, (3, 5))
     loss_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
     completion_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    head = student.get_output_embeddings().weight
+    head, teacher_head = student.get_output_embeddings().weight, teacher.get_output_embeddings().weight
 
     def loss_and_grads(loss):
         student_hidden.grad, head.grad = None, None
         loss.backward()
         return loss.detach(), student_hidden.grad.clone(), head.grad.clone()
 
-    ours = loss_and_grads(
-        divergence_and_token_logps(
-            student, student_hidden, teacher, teacher_hidden, tokens, loss_mask, completion_mask, 0.5, 7.0, 0.8
-        ).loss
-    )
-    teacher_head = teacher.get_output_embeddings().weight
     stock = loss_and_grads(
         _chunked_divergence_loss(
             student_hidden, teacher_hidden, head, teacher_head, loss_mask, 0.5, num_items_in_batch=7.0, temperature=0.8
         )[0]
     )
+    every_position = heads.divergence_and_token_logps(
+        student, student_hidden, teacher, teacher_hidden, tokens, loss_mask, completion_mask, 0.5, 7.0, 0.8
+    )
+    monkeypatch.setattr(heads, "_use_triton", lambda device: compact)
+    out = heads.divergence_and_token_logps(
+        student, student_hidden, teacher, teacher_hidden, tokens, loss_mask, completion_mask, 0.5, 7.0, 0.8
+    )
+    ours = loss_and_grads(out.loss)
     assert ours[0] > 0
     for a, b in zip(ours, stock):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    wanted = completion_mask.bool()
+    for field in ("logps", "entropies", "teacher_logps"):
+        values = getattr(out, field)
+        torch.testing.assert_close(values[wanted], getattr(every_position, field)[wanted], rtol=0, atol=1e-6)
+        assert (values[wanted] != 0).all() and (values[~wanted] == 0).all()
 
 
 def test_grpo_reward_metrics_are_logged_only_with_reward_functions(tmp_path, student_path, teacher_path, math_dataset):

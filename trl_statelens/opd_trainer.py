@@ -85,7 +85,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             datasets (an `image` or `images` column, what GRPO reads images from) are refused: neither the loss nor
             the teacher would see the images.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
-            `args.reward_weight`.
+            `args.reward_weight`. Without them nothing is rewarded: GRPO's reward metrics are not logged and the
+            ledger's sequences carry no reward.
         eval_dataset, processing_class, callbacks, optimizers, peft_config, state_logging: as for
             [`StateLensGRPOTrainer`].
     """
