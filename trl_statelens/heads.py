@@ -107,14 +107,15 @@ class _DivergenceAndLogNormalizers(ChunkedDivergenceFunction):
         return ChunkedDivergenceFunction.backward(ctx, grad_divergence, None)
 
 
-class DivergenceAndTokens(NamedTuple):
-    """The `divergence` loss of a micro-batch and, from the same pass, per completion position `(B, T)` (0 where
-    nothing was asked): the student's log-prob of the token and its entropy there, and the teacher's log-prob of it."""
+class Divergence(NamedTuple):
+    """A micro-batch's `divergence` loss, and per completion position `(B, T)` the teacher's log-prob of the token,
+    and the student's log-prob of it and entropy there when the loss's own pass gives them (`None` otherwise: the
+    trainer projects them itself)."""
 
     loss: torch.Tensor
-    logps: torch.Tensor
-    entropies: torch.Tensor
     teacher_logps: torch.Tensor
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
 
 
 def divergence_and_token_logps(
@@ -128,7 +129,7 @@ def divergence_and_token_logps(
     beta: float,
     normalizer,
     temperature: float = 1.0,
-) -> DivergenceAndTokens:
+) -> Divergence:
     """TRL's exact generalised JSD between the student's and the teacher's next-token distributions over the full
     vocabulary, computed as `DistillationTrainer`'s `_chunked_divergence_loss` computes it (summed over the positions
     with `loss_mask != 0`, divided by `normalizer`), plus the per-token values the state records need, from that pass.
@@ -187,12 +188,12 @@ def divergence_and_token_logps(
     loss = divergence.masked_fill(~loss_positions, 0).sum()
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.to(loss.device)
-    per_token = []
-    for values in (student_logits - student_log_z, entropy, teacher_logits - teacher_log_z):
+    per_token = []  # (B, T), 0 where no value was asked for
+    for values in (teacher_logits - teacher_log_z, student_logits - student_log_z, entropy):
         full = torch.zeros(positions.shape, dtype=values.dtype, device=values.device)
         full[positions] = values if compact else values[positions]
         per_token.append(full.view_as(tokens))
-    return DivergenceAndTokens(loss / normalizer, *per_token)
+    return Divergence(loss / normalizer, *per_token)
 
 
 def _token_logits(hidden, weight, bias, tokens, scale, softcap, temperature) -> torch.Tensor:

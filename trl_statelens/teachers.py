@@ -49,7 +49,7 @@ from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, pad
 
 from .callback import trainer_generation_config
-from .heads import _completion_hidden_states, divergence_and_token_logps, topk_tail_divergence
+from .heads import Divergence, _completion_hidden_states, divergence_and_token_logps, topk_tail_divergence
 
 logger = logging.getLogger(__name__)
 
@@ -79,17 +79,6 @@ class ResolvedScores(NamedTuple):
     logps: torch.Tensor
     top_ids: torch.Tensor | None
     top_logps: torch.Tensor | None
-
-
-class Divergence(NamedTuple):
-    """A micro-batch's `divergence` loss, and per completion position `(B, T)` the teacher's log-prob of the token,
-    and the student's log-prob of it and entropy there when the loss's own pass gives them (`None` otherwise: the
-    trainer projects them itself)."""
-
-    loss: torch.Tensor
-    teacher_logps: torch.Tensor
-    logps: torch.Tensor | None = None
-    entropies: torch.Tensor | None = None
 
 
 def answered(value) -> Future:
@@ -327,7 +316,7 @@ class InProcessTeacher(Teacher):
         )
         if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
             return Divergence(out.loss + student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
-        return Divergence(out.loss, out.teacher_logps, out.logps, out.entropies)
+        return out
 
 
 def _stand_in_row(batch: dict, student_hidden, pad_id: int):
