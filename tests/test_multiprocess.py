@@ -168,7 +168,7 @@ def test_zero3_opd_with_two_teachers_when_the_ranks_draw_different_ones(tmp_path
             line["source_frac/teacher"] > 0 for line in read(tmp_path / signal_name / "statelens" / "steps.jsonl")
         )
         for name in ("a", "b"):  # the trainer's per-teacher KL, on the steps where its rows had learner states
-            assert any(f"statelens/teacher_kl/{name}" in entry for entry in runs[0]["log_history"])
+            assert any(f"teacher_kl/sampled/{name}" in entry for entry in runs[0]["log_history"])
 
 
 @pytest.mark.multiproc

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
-from trl.trainer.distillation_trainer import _chunked_divergence_loss
 from trl.trainer.utils import add_fused_lm_head, pad
 
 from ..callback import trainer_generation_config
 from ..collective import agreed_calls, agreed_chunks
-from ..heads import _completion_hidden_states, _head_logps, _logit_post_processing
+from ..heads import Divergence, _completion_hidden_states, divergence_and_token_logps
 from .base import RowScores, Teacher, answered, batch_rows, joined, left_padded
 from .vocabulary import check_same_vocabulary, vocab_size
 
@@ -124,13 +123,15 @@ class InProcessTeacher(Teacher):
         return batch_rows(answered(scores), len(scores))
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
-        ZeRO-3-sharded heads itself, once each way), from the teacher's hidden states of the same tokens: one call
-        on every rank while any rank has rows, a rank without rows on a stand-in row that supervises nothing."""
+        """TRL's exact generalised JSD over the full vocabulary, in chunks (its divergence kernel, as
+        `DistillationTrainer` runs it; ZeRO-3-sharded heads gathered once each way), from the teacher's hidden states
+        of the same tokens, with the per-token log-probs and entropies from the same pass
+        ([`divergence_and_token_logps`]): one call on every rank while any rank has rows, a rank without rows on a
+        stand-in row that supervises nothing."""
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         if not agreed_calls(self.trainer.accelerator, min(num_rows, 1)):
-            return student_hidden.sum() * 0.0, no_logps
+            return Divergence(student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
         if num_rows == 0:
             batch, student_hidden, loss_mask = _stand_in_row(
                 batch, student_hidden, self.trainer._tokenizer.pad_token_id
@@ -144,31 +145,23 @@ class InProcessTeacher(Teacher):
             teacher_hidden = trainer._forward_redirection(
                 self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
             )
-        student_head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
-        (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
-            _logit_post_processing, (student, teacher)
-        )
-        loss, _, _ = _chunked_divergence_loss(
+        # The loss and the records' per-token values (both models' token log-probs, the student's entropy) in one
+        # pass over the vocabulary
+        out = divergence_and_token_logps(
+            student,
             student_hidden,
+            teacher,
             teacher_hidden,
-            student_head.weight,
-            teacher_head.weight,
+            batch["completion_ids"],
             loss_mask,
-            beta=beta,
-            num_items_in_batch=normalizer,
-            student_lm_head_bias=student_head.bias,
-            teacher_lm_head_bias=teacher_head.bias,
-            student_logit_scale=student_scale,
-            teacher_logit_scale=teacher_scale,
-            student_final_logit_softcapping=student_softcap,
-            teacher_final_logit_softcapping=teacher_softcap,
-            temperature=temperature,
+            batch["completion_mask"],
+            beta,
+            normalizer,
+            temperature,
         )
-        with torch.no_grad():
-            teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
         if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
-            return loss + student_hidden.sum() * 0.0, no_logps
-        return loss, teacher_logps
+            return Divergence(out.loss + student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
+        return out
 
 
 def _first_eos(rows: list[list[int]], eos_token_ids) -> list[list[int]]:

@@ -8,7 +8,7 @@ import torch
 
 from .. import heads
 from ..collective import agreed_chunks
-from ..heads import topk_tail_divergence
+from ..heads import Divergence, topk_tail_divergence
 from .base import ResolvedScores, RowScores, Teacher, answered, batch_rows, joined, resolve_rows
 from .loading import connect_served_teacher
 from .server_client import BackgroundRequests
@@ -121,4 +121,4 @@ class ServedTeacher(Teacher):
         loss = topk_tail_divergence(
             student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature, chunks
         )
-        return loss, scores.logps
+        return Divergence(loss, scores.logps)  # the student's per-token values: the trainer projects them
