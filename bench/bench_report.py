@@ -73,7 +73,7 @@ def step_lines(rng, num_steps, sources, teacher):
             "prefix_len_hist": hist[i].tolist(),
         }
         if teacher:
-            line["teacher_kl"] = teacher_kl[i]
+            line["teacher_kl/supervised"] = teacher_kl[i]
             line["teacher_nll"] = 1.4
         lines.append(line)
     return lines

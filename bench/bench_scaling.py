@@ -16,6 +16,7 @@ against log size). Results go to `bench/results/scaling.json` (`scaling_quick.js
 `scaling_*.png` next to it.
 
     .venv/bin/python bench/bench_scaling.py [--quick] [--only opd|sft|probe] [--steps 2] [--out DIR]
+    .venv/bin/python bench/bench_scaling.py --versus divergence [--repeats 3] [--steps 2]   # one arm vs distill, paired
 """
 
 import argparse
@@ -82,35 +83,61 @@ QUICK = dict(
 OPD_ARMS = bench_opd.ARMS  # distill first: the others are divided by it
 
 
+def lab_tokenizer(world):
+    """The lab tokenizer of every sweep, allowed past the lab's 512 tokens (packed SFT sequences, OPD rollouts)."""
+    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
+    tokenizer.model_max_length = 4096
+    return tokenizer
+
+
+def machine_conditions(start: float, load_before) -> dict:
+    """When a sweep ran, how loaded the machine was before and after it, and how long it took."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "wall_seconds": round(time.perf_counter() - start),
+        "cpu_cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+    }
+
+
 def slope(sizes, costs) -> float:
     """Fitted growth: the slope of log(cost) against log(size) (1 = linear, 2 = quadratic)."""
     return float(np.polyfit(np.log(sizes), np.log(costs), 1)[0])
 
 
 # ----- OPD vs DistillationTrainer --------------------------------------------------------------------------------
-def sweep_opd(config, tokenizer, world, steps, on_cell=None) -> dict:
-    """Every (V, T) cell; `on_cell(partial_results)` after each one, so an interrupted sweep keeps its cells."""
+def opd_cells(config, tokenizer, world):
+    """The OPD sweep's (V, T) cells in order, each as `(V, T, paths, parameters, dataset)`: the student and teacher
+    saved once per V (`paths`, with their `parameters`) and the fixed-length prompts."""
     dataset = Dataset.from_dict({"prompt": bench_opd.fixed_length_prompts(tokenizer, world, n=64)})
     model_dir = scratch_dir("bench-scaling-opd-")
-    cells = []
     for vocab_size in sorted({v for v, _ in config["opd_cells"]}):
         shape = config["opd_model"]
         paths, parameters = bench_opd.save_models(tokenizer, vocab_size, model_dir, shape, shape)
         for length in sorted(t for v, t in config["opd_cells"] if v == vocab_size):
-            runs = {}
-            order = OPD_ARMS if len(cells) % 2 == 0 else OPD_ARMS[::-1]
-            for arm in order:
-                start = time.perf_counter()
-                runs[arm] = bench_opd.run_arm_forked(
-                    arm, paths, tokenizer, dataset, steps, rollouts=config["opd_rollouts"], completion_tokens=length
-                )
-                say(
-                    f"opd V={vocab_size} T={length} {arm}: step {statistics.median(runs[arm]['step_seconds']):.2f}s, "
-                    f"train mem {runs[arm]['train_mem_mb']:.0f} MB ({time.perf_counter() - start:.0f}s)"
-                )
-            cells.append(summarize_opd_cell(vocab_size, length, parameters["student"], runs))
-            if on_cell is not None:
-                on_cell({"cells": cells, "slopes": opd_slopes(cells), "complete": False})
+            yield vocab_size, length, paths, parameters, dataset
+
+
+def sweep_opd(config, tokenizer, world, steps, on_cell=None) -> dict:
+    """Every (V, T) cell; `on_cell(partial_results)` after each one, so an interrupted sweep keeps its cells."""
+    cells = []
+    for vocab_size, length, paths, parameters, dataset in opd_cells(config, tokenizer, world):
+        runs = {}
+        order = OPD_ARMS if len(cells) % 2 == 0 else OPD_ARMS[::-1]
+        for arm in order:
+            start = time.perf_counter()
+            runs[arm] = bench_opd.run_arm_forked(
+                arm, paths, tokenizer, dataset, steps, rollouts=config["opd_rollouts"], completion_tokens=length
+            )
+            say(
+                f"opd V={vocab_size} T={length} {arm}: step {statistics.median(runs[arm]['step_seconds']):.2f}s, "
+                f"train mem {runs[arm]['train_mem_mb']:.0f} MB ({time.perf_counter() - start:.0f}s)"
+            )
+        cells.append(summarize_opd_cell(vocab_size, length, parameters["student"], runs))
+        if on_cell is not None:
+            on_cell({"cells": cells, "slopes": opd_slopes(cells), "complete": False})
     return {"cells": cells, "slopes": opd_slopes(cells)}
 
 
@@ -135,6 +162,64 @@ def summarize_opd_cell(vocab_size, length, parameters, runs) -> dict:
         cell[f"{arm}_time_ratio"] = step[arm] / step["distill"]
         cell[f"{arm}_memory_ratio"] = runs[arm]["train_mem_mb"] / runs["distill"]["train_mem_mb"]
     return cell
+
+
+def sweep_opd_pair(config, tokenizer, world, steps, repeats, arm) -> dict:
+    """`arm` against DistillationTrainer(beta=1) alone at every (V, T) cell of the OPD sweep, `repeats` pairs per cell
+    in alternating order. Per pair the ratio of median step times and of train memory; per cell their median, min
+    and max. The one-run sweep cannot resolve a ratio within a few percent; the spread of these pairs says whether
+    they do."""
+    cells = []
+    for vocab_size, length, paths, _, dataset in opd_cells(config, tokenizer, world):
+        runs = {"distill": [], arm: []}
+        for repeat in range(repeats):
+            for name in ("distill", arm) if (len(cells) + repeat) % 2 == 0 else (arm, "distill"):
+                run = bench_opd.run_arm_forked(
+                    name,
+                    paths,
+                    tokenizer,
+                    dataset,
+                    steps,
+                    rollouts=config["opd_rollouts"],
+                    completion_tokens=length,
+                )
+                runs[name].append(run)
+                say(
+                    f"pair V={vocab_size} T={length} {name} #{repeat}: step {statistics.median(run['step_seconds']):.2f}s"
+                )
+        step = {name: [statistics.median(run["step_seconds"]) for run in values] for name, values in runs.items()}
+        memory = {name: [run["train_mem_mb"] for run in values] for name, values in runs.items()}
+        time_ratios = [a / d for a, d in zip(step[arm], step["distill"])]
+        memory_ratios = [a / d for a, d in zip(memory[arm], memory["distill"])]
+        cells.append(
+            {
+                "vocab_size": vocab_size,
+                "completion_tokens": length,
+                "step_seconds": step,
+                "train_mem_mb": memory,
+                "time_ratios": time_ratios,
+                "memory_ratios": memory_ratios,
+                "time_ratio": [statistics.median(time_ratios), min(time_ratios), max(time_ratios)],
+                "memory_ratio": [statistics.median(memory_ratios), min(memory_ratios), max(memory_ratios)],
+            }
+        )
+    return {"arm": arm, "repeats": repeats, "steps": steps, "cells": cells}
+
+
+def pair_table(results) -> str:
+    arm = results["arm"]
+    lines = [
+        f"| V | T | {arm} / distill time: median [min, max] | memory: median [min, max] | distill s |",
+        "|---:|---:|---|---|---:|",
+    ]
+    for c in results["cells"]:
+        time_ratio, memory_ratio = c["time_ratio"], c["memory_ratio"]
+        lines.append(
+            f"| {c['vocab_size']} | {c['completion_tokens']} | {time_ratio[0]:.3f} [{time_ratio[1]:.3f}, "
+            f"{time_ratio[2]:.3f}] | {memory_ratio[0]:.3f} [{memory_ratio[1]:.3f}, {memory_ratio[2]:.3f}] | "
+            f"{statistics.median(c['step_seconds']['distill']):.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def opd_slopes(cells) -> dict:
@@ -171,8 +256,7 @@ def profile_opd(arm, vocab_size, length, steps=1, config=FULL) -> dict:
     """One OPD or distill run with the time of each phase per step (the trainer's methods in PROFILED_METHODS that
     it has, timed where they are defined; nested ones count inside their callers too), to explain a ratio."""
     world = LabWorld(seed=0)
-    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
-    tokenizer.model_max_length = 4096
+    tokenizer = lab_tokenizer(world)
     dataset = Dataset.from_dict({"prompt": bench_opd.fixed_length_prompts(tokenizer, world, n=64)})
     shape = config["opd_model"]
     paths, _ = bench_opd.save_models(tokenizer, vocab_size, scratch_dir("bench-profile-"), shape, shape)
@@ -505,8 +589,7 @@ def main(quick: bool = False, only: str | None = None, steps: int = 2, out: Path
     results.update(quick=quick, steps=steps, config=config)
     results.setdefault("machine", {})
     world = LabWorld(seed=0)
-    tokenizer = build_tokenizer(world, vocab_size=1024, num_documents=2000)
-    tokenizer.model_max_length = 4096  # packed SFT sequences and OPD rollouts go past the lab's 512
+    tokenizer = lab_tokenizer(world)
 
     def keep_partial(partial):
         results["opd"] = partial
@@ -523,14 +606,7 @@ def main(quick: bool = False, only: str | None = None, steps: int = 2, out: Path
         start = time.perf_counter()
         load_before = os.getloadavg()
         results[name] = sweep()
-        results["machine"][name] = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in os.getloadavg()],
-            "wall_seconds": round(time.perf_counter() - start),
-            "cpu_cores": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-        }
+        results["machine"][name] = machine_conditions(start, load_before)
         results["plots"] = plot(results, out, suffix)
         write_results(f"scaling{suffix}", results, directory=out)
         say(f"{name} sweep done in {results['machine'][name]['wall_seconds']} s; wrote {path}")
@@ -608,8 +684,30 @@ if __name__ == "__main__":
         "--tables", action="store_true", help="print the markdown tables of the JSON in --out and exit"
     )
     parser.add_argument("--profile", nargs=3, metavar=("ARM", "V", "T"), help="time one run's phases and exit")
+    parser.add_argument(
+        "--versus",
+        choices=bench_opd.ARMS[1:],
+        help="only this OPD arm against DistillationTrainer at every OPD cell, --repeats pairs each; writes "
+        "scaling_versus_<arm>.json and prints the table",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="pairs per cell with --versus")
     options = parser.parse_args()
-    if options.profile:
+    if options.versus:
+        world = LabWorld(seed=0)
+        start, load_before = time.perf_counter(), os.getloadavg()
+        results = sweep_opd_pair(
+            QUICK if options.quick else FULL,
+            lab_tokenizer(world),
+            world,
+            options.steps,
+            options.repeats,
+            options.versus,
+        )
+        results["machine"] = machine_conditions(start, load_before)
+        suffix = "_quick" if options.quick else ""
+        write_results(f"scaling_versus_{options.versus}{suffix}", results, directory=options.out)
+        print(pair_table(results))
+    elif options.profile:
         arm, vocab_size, length = options.profile
         print(json.dumps(profile_opd(arm, int(vocab_size), int(length), options.steps), indent=1))
     elif options.tables:

@@ -5,7 +5,7 @@ several times their students. The served arm talks to `tests/vllm_test_server.py
 one torch thread) started once as its own process on this machine, so its compute competes for the same cores: the
 step-time ratio here prices the HTTP round trips and JSON on top of the same teacher forward, not a GPU deployment,
 where the teacher runs on its own device. Both arms train `reverse_kl` with the same seed, so they sample the same
-rollouts: their logged `teacher_kl` must agree (a parity check on the lab-like run, printed with the table).
+rollouts: their logged `teacher_kl/sampled` must agree (a parity check on the lab-like run, printed with the table).
 
 Training-process memory is the peak RSS of the training process (teacher weights included when in-process); the
 server's own peak RSS is reported beside it.
@@ -13,13 +13,13 @@ server's own peak RSS is reported beside it.
     .venv/bin/python bench/bench_served_teacher.py [--repeats 3] [--steps 4]
 
 `--overlap` times the served teacher with `teacher_server_overlap` on against off instead (the same run otherwise;
-their `teacher_kl` must be equal), with the server's answers delayed by `--latency` seconds each (the test server's
+their `teacher_kl/sampled` must be equal), with the server's answers delayed by `--latency` seconds each (the test server's
 `--latency`, a sleep that uses no core: a remote GPU server's round trip), and `--gradient-accumulation-steps` micro-
 batches per generation.
 
 `--multi` times several served teachers against one (issue 27): the same rows, half routed (`teacher_id`) to each of
 two test servers of the same teacher, against all of them sent to one server (`teacher_model_server_url`). The same
-teacher behind both, so their `teacher_kl` must be equal; the ratio prices the router (a request per teacher per step,
+teacher behind both, so their `teacher_kl/sampled` must be equal; the ratio prices the router (a request per teacher per step,
 the answers put back in row order). Both servers share the 2 cores with the trainer here.
 
     .venv/bin/python bench/bench_served_teacher.py --multi [--repeats 3] [--steps 4]   # 3-4 minutes
@@ -94,7 +94,7 @@ def run_arm(arm, student_path, teacher_path, url, dataset, steps, gradient_accum
         trainer._resolve_teacher_logps = timed(resolve, timings["wait_seconds"])
     result = train_and_measure(trainer, {}, WARMUP_STEPS)
     result.update({key: values[WARMUP_STEPS:] for key, values in timings.items()})
-    result["teacher_kl"] = [e["teacher_kl"] for e in trainer.state.log_history if "teacher_kl" in e]
+    result["teacher_kl"] = [e["teacher_kl/sampled"] for e in trainer.state.log_history if "teacher_kl/sampled" in e]
     return result
 
 

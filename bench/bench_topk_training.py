@@ -6,7 +6,7 @@ one rollout per prompt, up to 96 tokens, lr 3e-4 constant), `--batch` lab math t
 steps. The exact arm scores with the teacher in the training process; each k arm with the same teacher behind
 `tests/vllm_test_server.py` (its own process, one torch thread). Each run is a forked child. Per run:
 
-- `teacher_kl` during training (the trainer's sampled reverse KL on the student's rollouts, exact in every arm: the
+- `teacher_kl/sampled` during training (the trainer's sampled reverse KL on the student's rollouts, exact in every arm: the
   server gives each sampled token's log-prob): the first step and the mean of the last `LAST_STEPS`;
 - after training, the exact full-vocabulary reverse KL per position of the final student's samples on the first
   `--kl_prompts` lab math dev problems (one rollout each, a fixed seed), and the target: greedy accuracy on the lab
@@ -69,7 +69,7 @@ def run_arm(k, student, teacher, url, options) -> dict:
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started
-    kl = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
+    kl = [entry["teacher_kl/sampled"] for entry in trainer.state.log_history if "teacher_kl/sampled" in entry]
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     tokenizer = AutoTokenizer.from_pretrained(student)
     dev = LabWorld(seed=0).math("dev", n=options.dev)

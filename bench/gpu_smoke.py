@@ -139,7 +139,7 @@ def measure(trainer, modules: dict, warmup_steps: int) -> dict:
         rss = peak_memory_mb(rss_at_start)
         memory = {"peak_memory_mb": rss["peak_rss_mb"], "train_memory_mb": rss["train_mem_mb"]}
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    keys = ("loss", "grad_norm", "entropy", "reward", "teacher_kl")
+    keys = ("loss", "grad_norm", "entropy", "reward", "teacher_kl/sampled")
     return {
         "logs": [{key: log[key] for key in keys if key in log} for log in logs],
         "step_seconds": meter.step_seconds[warmup_steps:],

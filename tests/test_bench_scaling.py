@@ -74,3 +74,24 @@ def test_quick_scaling_sweep_writes_every_field(tmp_path):
     slopes = results["opd"]["slopes"]
     assert "reverse_kl vs vocab_size at completion_tokens=8" in slopes
     assert "distill vs completion_tokens at vocab_size=1024" in slopes
+
+
+@pytest.mark.slow
+def test_versus_runs_one_arm_against_distill_in_pairs(tmp_path):
+    """`--versus divergence`: only that arm and DistillationTrainer, `--repeats` pairs at every OPD cell, a ratio per
+    pair and their median, min and max (the command BENCHMARKS.md gives for divergence against its floor)."""
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+    command = ["bench_scaling.py", "--versus", "divergence", "--quick", "--repeats", "2", "--steps", "1"]
+    done = subprocess.run(
+        [sys.executable, *command, "--out", str(tmp_path)], cwd=BENCH, env=env, check=True, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    results = json.loads((tmp_path / "scaling_versus_divergence_quick.json").read_text())
+    assert results["arm"] == "divergence" and results["repeats"] == 2
+    assert [(c["vocab_size"], c["completion_tokens"]) for c in results["cells"]] == [(1024, 8), (1024, 16), (2048, 8)]
+    for cell in results["cells"]:
+        assert set(cell["step_seconds"]) == {"distill", "divergence"}
+        assert len(cell["time_ratios"]) == len(cell["memory_ratios"]) == 2
+        median, low, high = cell["time_ratio"]
+        assert low <= median <= high and low > 0
+    assert done.stdout.count("\n| 1024 |") == 2  # the printed table, a row per cell

@@ -363,14 +363,14 @@ def test_probe_teacher_disagreement_equals_a_direct_computation(
     kl, number, prefix = direct_reverse_kl(student, teacher, tokenizer, probe_prompts[:5], reference)
     assert kl.mean() > 0.01  # two different random models: a KL worth measuring
     for line in drift:
-        assert line["teacher_kl"] == pytest.approx(kl.mean().item(), rel=1e-4)
-        assert line["teacher_kl_fixed"] == pytest.approx(kl.mean().item(), rel=1e-4)
+        assert line["teacher_kl/exact"] == pytest.approx(kl.mean().item(), rel=1e-4)
+        assert line["teacher_kl/exact_fixed"] == pytest.approx(kl.mean().item(), rel=1e-4)
         assert line["number_frac"] == pytest.approx(number.double().mean().item())
         if number.any():
-            assert line["teacher_kl_number"] == pytest.approx(kl[number].mean().item(), rel=1e-4)
-        assert line["teacher_kl_other"] == pytest.approx(kl[~number].mean().item(), rel=1e-4)
+            assert line["teacher_kl/exact_number"] == pytest.approx(kl[number].mean().item(), rel=1e-4)
+        assert line["teacher_kl/exact_other"] == pytest.approx(kl[~number].mean().item(), rel=1e-4)
         assert line["probe_tokens"] == pytest.approx(len(kl) / 5)
-        by_prefix = line["teacher_kl_by_prefix"]  # bins [0, 1), [1, 3), [3, 7), [7, 15), [15, 31)
+        by_prefix = line["teacher_kl/exact_by_prefix"]  # bins [0, 1), [1, 3), [3, 7), [7, 15), [15, 31)
         assert [n for n, _ in by_prefix] == torch.bincount(torch.log2(prefix + 1.0).floor().long()).tolist()
         assert by_prefix[2][1] == pytest.approx(kl[(prefix >= 3) & (prefix < 7)].mean().item(), rel=1e-4)
 
@@ -381,7 +381,7 @@ def test_probe_teacher_disagreement_is_zero_for_a_teacher_equal_to_the_student(
     callback = StateLoggingCallback(probe_prompts=probe_prompts[:3], probe_steps=1, probe_max_new_tokens=12)
     opd_trainer_at_lr_0(tmp_path, math_trained_path, math_trained_path, math_dataset, callback, steps=1).train()
     (line,) = read_jsonl(tmp_path / "statelens" / "drift.jsonl")
-    assert abs(line["teacher_kl"]) < 1e-6 and abs(line["teacher_kl_fixed"]) < 1e-6
+    assert abs(line["teacher_kl/exact"]) < 1e-6 and abs(line["teacher_kl/exact_fixed"]) < 1e-6
     assert line["probe_tokens"] > 0
 
 

@@ -77,17 +77,17 @@ def test_routed_divergence_equals_each_teachers_loss_on_its_rows(
 
     hidden = _completion_hidden_states(student, input_ids, attention_mask, batch["completion_ids"].size(1))
     mask, normalizer = batch["completion_mask"].float(), torch.tensor(10.0)
-    loss, teacher_logps = trainer.teacher.divergence_loss(student, hidden, batch, mask, normalizer, 1.0, 1.0)
+    routed_out = trainer.teacher.divergence_loss(student, hidden, batch, mask, normalizer, 1.0, 1.0)
     expected = 0.0
     for name, teacher in trainer.teacher.teachers.items():
         index = torch.tensor([i for i, t in enumerate(batch["teacher"]) if t == name])
         part = {k: batch[k][index] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        part_loss, part_logps = teacher.divergence_loss(
-            student, hidden[index], part, mask[index], normalizer, 1.0, 1.0
-        )
-        expected = expected + part_loss
-        torch.testing.assert_close(teacher_logps[index], part_logps.float(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+        part_out = teacher.divergence_loss(student, hidden[index], part, mask[index], normalizer, 1.0, 1.0)
+        expected = expected + part_out.loss
+        for field in ("teacher_logps", "logps", "entropies"):  # each row's values from its own teacher's pass
+            row_values, part_values = getattr(routed_out, field)[index], getattr(part_out, field).float()
+            torch.testing.assert_close(row_values, part_values, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(routed_out.loss, expected, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("signal", ["reverse_kl", "continuation", "divergence"])
@@ -106,7 +106,7 @@ def test_every_signal_trains_with_two_teachers(tmp_path, math_trained_path, math
     for name in two_teachers:
         assert logged[f"statelens/supervised_tokens/{name}"] > 0
         if signal != "continuation":
-            assert f"statelens/teacher_kl/{name}" in logged
+            assert f"teacher_kl/sampled/{name}" in logged
     ledger = [json.loads(line) for line in open(tmp_path / "statelens" / "states.jsonl")]
     assert {entry["teacher"] for entry in ledger} == set(two_teachers)
 
@@ -213,7 +213,7 @@ def test_a_served_and_an_in_process_teacher_train_together(
         trainer.train()
     logged = trainer.state.log_history[0]
     assert all(logged[f"statelens/supervised_tokens/{name}"] > 0 for name in ("local", "served"))
-    assert all(torch.isfinite(torch.tensor(logged[f"statelens/teacher_kl/{name}"])) for name in ("local", "served"))
+    assert all(torch.isfinite(torch.tensor(logged[f"teacher_kl/sampled/{name}"])) for name in ("local", "served"))
 
 
 def test_a_served_teacher_at_another_temperature_is_refused(tmp_path, math_trained_path, math_dataset):
@@ -227,9 +227,11 @@ def test_a_served_teacher_at_another_temperature_is_refused(tmp_path, math_train
 
 
 def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
-    tmp_path, math_trained_path, math_teacher_path, math_dataset
+    tmp_path, math_trained_path, math_teacher_path, math_dataset, monkeypatch
 ):
     """Under ZeRO-3 another rank may hold this teacher's rows: a rank with none still runs its forward."""
+    from trl_statelens import collective
+
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
         teacher_model={"math": str(math_teacher_path)},
@@ -237,15 +239,16 @@ def test_an_in_process_teacher_without_rows_here_joins_on_a_stand_in_row(
         train_dataset=math_dataset,
     )
     teacher = trainer.teacher.teachers["math"]
-    teacher._any_rank_has = lambda rows: True  # as when another rank has rows
+    monkeypatch.setattr(collective, "gather_counts", lambda accelerator, count: [count, 1])  # another rank has rows
     forwards = []
     trainer.accelerator.unwrap_model(teacher.model).register_forward_hook(lambda *args: forwards.append(1))
     assert teacher.score([], []) == []
     empty = torch.zeros((0, 3), dtype=torch.long)
     batch = {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": empty, "completion_mask": empty}
     hidden = torch.zeros((0, 3, trainer.model.config.hidden_size), requires_grad=True)
-    loss, logps = teacher.divergence_loss(trainer.model, hidden, batch, empty.float(), torch.tensor(1.0), 1.0, 1.0)
-    assert loss.item() == 0.0 and logps.shape == (0, 3)
+    out = teacher.divergence_loss(trainer.model, hidden, batch, empty.float(), torch.tensor(1.0), 1.0, 1.0)
+    assert out.loss.item() == 0.0
+    assert out.teacher_logps.shape == out.logps.shape == out.entropies.shape == (0, 3)
     assert len(forwards) == 2
 
 

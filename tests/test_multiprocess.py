@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_test_server import TestTeacherServer
 
 SCRIPT = Path(__file__).parent / "scripts" / "statelens_two_ranks.py"
 
@@ -28,13 +29,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_zero3(script: str, *args, timeout: int, hang: str, stage: int = 3, mixed_precision: str = "no") -> None:
-    """`accelerate launch` two ZeRO-3 (or `stage`) ranks of `tests/scripts/<script>` with `args` (see `launch`)."""
+def launch_zero3(
+    script: str, *args, timeout: int, hang: str, stage: int = 3, mixed_precision: str = "no",
+    launch_args: tuple[str, ...] = (),
+) -> None:  # fmt: skip
+    """`accelerate launch` two ZeRO-3 (or `stage`) ranks of `tests/scripts/<script>` with `args` (and `launch_args`
+    for the launcher; see `launch`)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).parents[1] / "recipes" / "accelerate" / f"zero{stage}.yaml"
     command = [
         str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
-        "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()),
+        "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), *launch_args,
         str(SCRIPT.parent / script), *map(str, args),
     ]  # fmt: skip
     launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=timeout, hang=hang)
@@ -173,7 +178,68 @@ def test_zero3_opd_with_two_teachers_when_the_ranks_draw_different_ones(tmp_path
             line["source_frac/teacher"] > 0 for line in read(tmp_path / signal_name / "statelens" / "steps.jsonl")
         )
         for name in ("a", "b"):  # the trainer's per-teacher KL, on the steps where its rows had learner states
-            assert any(f"statelens/teacher_kl/{name}" in entry for entry in runs[0]["log_history"])
+            assert any(f"teacher_kl/sampled/{name}" in entry for entry in runs[0]["log_history"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_zero3_teachers_with_rows_split_unevenly_across_ranks_run_as_many_forwards(
+    tmp_path, student_path, teacher_path
+):
+    """Two in-process teachers under ZeRO-3 with gradient accumulation 2: one rank holds 3 of teacher a's rows and 1
+    of b's, the other the reverse. Scored in chunks of 2 rows, each teacher has 2 chunks of its own on one rank and 1
+    on the other; every chunk's forward gathers that teacher's shards from both ranks, so both run 2 (one on a
+    stand-in) and the run finishes. (Before `collective.py` it waited forever at the first step.)"""
+    launch_zero3(
+        "opd_zero3_uneven_teachers.py",
+        student_path,
+        teacher_path,
+        tmp_path,
+        timeout=480,
+        hang="ZeRO-3 ranks deadlocked with teachers split unevenly (no exit in 480 s)",
+        launch_args=("--gradient_accumulation_steps", "2"),
+    )
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:  # what actually ran: two ZeRO-3 processes, both teachers ZeRO-3 engines, every step
+        assert (rank["world_size"], rank["zero_stage"], rank["global_step"]) == (2, 3, 2)
+        assert (rank["gradient_accumulation_steps"], rank["steps_per_generation"]) == (2, 2)
+        assert rank["teacher_engines"] == {"a": "DeepSpeedEngine", "b": "DeepSpeedEngine"}
+    # the case under test: each generation batch, 3 rows of a teacher on one rank and 1 on the other
+    assert ranks[0]["rows_per_teacher"] == [{"a": 3, "b": 1}] * 2
+    assert ranks[1]["rows_per_teacher"] == [{"a": 1, "b": 3}] * 2
+    # as many forwards of each teacher on both ranks: 2 chunks per generation batch
+    assert ranks[0]["teacher_forwards"] == ranks[1]["teacher_forwards"] == {"a": 4, "b": 4}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_zero3_served_divergence_calls_the_output_layer_as_often_on_every_rank(tmp_path, student_path, teacher_path):
+    """A served teacher's `divergence` under ZeRO-3, with `heads.POSITION_CHUNK` set to 2: the ranks supervise
+    different numbers of positions (on the first step one rank none, its rows masked as truncated), and every call
+    of the student's output layer gathers its shards from both ranks: both make as many calls (empty chunks where
+    a rank has fewer positions) and the run finishes. (Before `collective.py` it waited forever at the first step.)"""
+    with TestTeacherServer(teacher_path) as server:
+        launch_zero3(
+            "served_teacher_zero3_divergence.py",
+            student_path,
+            server.url,
+            tmp_path,
+            timeout=480,
+            hang="ZeRO-3 ranks deadlocked in the served divergence (no exit in 480 s)",
+        )
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:  # what actually ran: two ZeRO-3 processes, every step, chunks of 2 positions
+        assert (rank["world_size"], rank["zero_stage"], rank["global_step"]) == (2, 3, 2)
+        assert rank["student_engine"] == "DeepSpeedEngine" and rank["position_chunk"] == 2
+    positions = [rank["supervised_positions"] for rank in ranks]
+    # the case under test: on the first step rank 0 supervises nothing and rank 1 several chunks' worth; on the
+    # second, both ranks several chunks, not as many
+    assert positions[0][0] == 0 and positions[1][0] > 2
+    assert 2 < positions[0][1] and -(-positions[0][1] // 2) != -(-positions[1][1] // 2)
+    chunks = [[-(-n // 2) for n in steps] for steps in positions]
+    # each step's loss calls the layer once per chunk of the rank with the most (at least once), on both ranks
+    expected = [max(a, b, 1) for a, b in zip(*chunks)]
+    assert ranks[0]["loss_head_calls"] == ranks[1]["loss_head_calls"] == expected
 
 
 @pytest.mark.multiproc

@@ -38,7 +38,7 @@ def test_teacher_equal_to_student_gives_zero_kl_and_zero_gradient(tmp_path, math
         train_dataset=math_dataset,
     )
     trainer.train()
-    assert abs(log_history(trainer, "teacher_kl")[0]) < 1e-4
+    assert abs(log_history(trainer, "teacher_kl/sampled")[0]) < 1e-4
     assert log_history(trainer, "grad_norm")[0] < 1e-4
 
 
@@ -67,7 +67,7 @@ def test_short_run_moves_the_student_toward_the_teacher(
     trainer.train()
     # reverse_kl / divergence: the student's own tokens become likelier under the teacher;
     # continuation: the student's cross-entropy on the teacher's tokens falls
-    curve = log_history(trainer, "loss" if signal == "continuation" else "teacher_kl")
+    curve = log_history(trainer, "loss" if signal == "continuation" else "teacher_kl/sampled")
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
     assert last < 0.8 * first, curve
 
@@ -128,6 +128,133 @@ def test_divergence_beta1_matches_distillation_trainer_loss(
     torch.testing.assert_close(ours_loss, stock_loss, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma2", "phi"])
+def test_divergence_records_come_from_the_loss_pass_equal_to_separate_passes(
+    tmp_path, monkeypatch, tokenizer, student_path, teacher_path, math_dataset, architecture
+):
+    """The ledger's student log-prob and entropy and teacher log-prob per supervised token come from the loss's own
+    pass over the vocabulary (no `_head_logps` pass) and equal what separate passes give (the records before they
+    did), with a logit soft-cap (gemma2) and an LM-head bias (phi)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    from trl_statelens.heads import _completion_hidden_states, _head_logps
+
+    if architecture != "qwen3":
+        student_path = _save_other_architecture(tmp_path / "student", architecture, tokenizer, seed=0)
+        teacher_path = _save_other_architecture(tmp_path / "teacher", architecture, tokenizer, seed=1)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, signal="divergence", jsd_beta=0.5, temperature=0.7),
+        train_dataset=math_dataset,
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(_prompts(math_dataset, 8))
+    recorded, head_passes = {}, []
+    record_states, forward = trainer._record_states, ChunkedLogProbFunction.forward
+    trainer._record_states = lambda **kwargs: (recorded.update(kwargs), record_states(**kwargs))[1]
+    counted = lambda ctx, *args: (head_passes.append(args[-1]), forward(ctx, *args))[1]  # noqa: E731
+    monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(counted))
+    trainer.compute_loss(trainer.model, batch)
+    monkeypatch.undo()
+    assert head_passes == []  # no other pass over the vocabulary than the divergence kernel's
+
+    supervised = recorded["supervised_mask"]
+    assert supervised.sum() > 20
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    tokens, width = batch["completion_ids"], batch["completion_ids"].size(1)
+    expected = {}
+    with torch.no_grad():
+        for name, model in (("student", trainer.model), ("teacher", trainer.teacher_model)):
+            model = trainer.accelerator.unwrap_model(model)
+            hidden = _completion_hidden_states(model, input_ids, attention_mask, width)
+            expected[name] = _head_logps(model, hidden, tokens, trainer.temperature, True)
+    pad = lambda x: torch.nn.functional.pad(x, (batch["prompt_ids"].size(1), 0))  # noqa: E731
+    for field, want in (
+        ("logps", expected["student"][0]),
+        ("entropy", expected["student"][1]),
+        ("teacher_logps", expected["teacher"][0]),
+    ):
+        torch.testing.assert_close(recorded[field][supervised], pad(want)[supervised], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_divergence_pass_gives_trl_loss_and_gradient(monkeypatch, student_path, teacher_path, compact):
+    """`divergence_and_token_logps`'s loss and its gradients (student hidden states and head) are those of TRL's
+    `_chunked_divergence_loss`, on a mask with unsupervised completion positions; its per-token values are the same
+    whether every position is projected (CPU) or the wanted ones only (`compact`, as on Triton devices)."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from trl_statelens import heads
+
+    student = AutoModelForCausalLM.from_pretrained(student_path)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
+    torch.manual_seed(0)
+    student_hidden = torch.randn(3, 5, student.config.hidden_size, requires_grad=True)
+    teacher_hidden = torch.randn(3, 5, teacher.config.hidden_size)
+    tokens = torch.randint(0, student.config.vocab_size, (3, 5))
+    loss_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    completion_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    head, teacher_head = student.get_output_embeddings().weight, teacher.get_output_embeddings().weight
+
+    def loss_and_grads(loss):
+        student_hidden.grad, head.grad = None, None
+        loss.backward()
+        return loss.detach(), student_hidden.grad.clone(), head.grad.clone()
+
+    stock = loss_and_grads(
+        _chunked_divergence_loss(
+            student_hidden, teacher_hidden, head, teacher_head, loss_mask, 0.5, num_items_in_batch=7.0, temperature=0.8
+        )[0]
+    )
+    every_position = heads.divergence_and_token_logps(
+        student, student_hidden, teacher, teacher_hidden, tokens, loss_mask, completion_mask, 0.5, 7.0, 0.8
+    )
+    monkeypatch.setattr(heads, "_use_triton", lambda device: compact)
+    out = heads.divergence_and_token_logps(
+        student, student_hidden, teacher, teacher_hidden, tokens, loss_mask, completion_mask, 0.5, 7.0, 0.8
+    )
+    ours = loss_and_grads(out.loss)
+    assert ours[0] > 0
+    for a, b in zip(ours, stock):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    wanted = completion_mask.bool()
+    for field in ("logps", "entropies", "teacher_logps"):
+        values = getattr(out, field)
+        torch.testing.assert_close(values[wanted], getattr(every_position, field)[wanted], rtol=0, atol=1e-6)
+        assert (values[wanted] != 0).all() and (values[~wanted] == 0).all()
+
+
+def test_grpo_reward_metrics_are_logged_only_with_reward_functions(tmp_path, student_path, teacher_path, math_dataset):
+    """Without reward functions GRPO still scores the rollouts (with `no_reward`): its constant reward metrics and the
+    ledger's per-sequence reward of 0 are dropped. With one, they are all there."""
+
+    def length_reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    reward_keys = {"reward", "reward_std", "frac_reward_zero_std"}
+    for name, reward_funcs in (("none", None), ("one", [length_reward])):
+        trainer = OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=str(teacher_path),
+            args=opd_config(tmp_path / name, max_steps=2, logging_steps=1),
+            train_dataset=math_dataset,
+            reward_funcs=reward_funcs,
+            callbacks=[StateLoggingCallback(sample_rate=1.0)],
+        )
+        trainer.train()
+        logged = {key for entry in trainer.state.log_history[:-1] for key in entry}  # the last one is the summary
+        states = [json.loads(line) for line in open(tmp_path / name / "statelens" / "states.jsonl")]
+        rewarded = {key for key in logged if key in reward_keys or key.startswith("rewards/")}
+        if reward_funcs is None:
+            assert rewarded == set() and "teacher_kl/sampled" in logged
+            assert {s["reward"] for s in states} == {None}
+        else:
+            assert rewarded == reward_keys | {"rewards/length_reward/mean", "rewards/length_reward/std"}
+            assert all(s["reward"] > 0 for s in states)
+
+
 # ----- state sources ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_state_source_mix_is_honoured_per_sample_and_recorded(tmp_path, student_path, math_trained_path, math_dataset):
@@ -169,8 +296,9 @@ def test_state_source_mix_is_honoured_per_sample_and_recorded(tmp_path, student_
         tokens = sum(s[f"source_frac/{source}"] * s["supervised_tokens"] for s in steps)
         from_sequences = sum(s["num_supervised"] for s in states if s["source"] == source)
         assert tokens == pytest.approx(from_sequences)
-    # the ledger's teacher_kl averages the learner's own tokens only, as the trainer's metric does
-    assert [s["teacher_kl"] for s in steps] == pytest.approx(log_history(trainer, "teacher_kl"), rel=1e-4, abs=1e-6)
+    # the ledger's teacher_kl/supervised averages the learner's own tokens only, as the trainer's metric does
+    supervised = [s["teacher_kl/supervised"] for s in steps]
+    assert supervised == pytest.approx(log_history(trainer, "teacher_kl/sampled"), rel=1e-4, abs=1e-6)
 
 
 def test_dataset_states_keep_their_reference_column_with_remove_unused_columns(
@@ -244,8 +372,8 @@ def test_continuation_ledger_has_no_teacher_kl(tmp_path, student_path, math_trai
     trainer.train()
     (step,) = [json.loads(line) for line in open(tmp_path / "statelens" / "steps.jsonl")]
     # every supervised token was written by the teacher: log p_S - log p_T there estimates no KL
-    assert step["supervised_tokens"] > 0 and "teacher_kl" not in step and "teacher_nll" not in step
-    assert len(log_history(trainer, "teacher_kl")) == 1  # the trainer's metric, on the student's own prefix
+    assert step["supervised_tokens"] > 0 and "teacher_kl/supervised" not in step and "teacher_nll" not in step
+    assert len(log_history(trainer, "teacher_kl/sampled")) == 1  # the trainer's metric, on the student's own prefix
 
 
 def test_teacher_continuation_ends_at_its_eos_despite_the_rollouts_min_new_tokens(
@@ -424,7 +552,7 @@ def test_lora_sft_output_is_a_teacher_merged_for_inference(tmp_path, lora_sft_pa
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
     assert (ours - untrained).abs().max() > 1e-2
     trainer.train()
-    assert log_history(trainer, "teacher_kl")
+    assert log_history(trainer, "teacher_kl/sampled")
 
 
 def test_bf16_teacher_checkpoint_stays_bf16(tmp_path, tokenizer, student_path, math_dataset):

@@ -113,7 +113,7 @@ def test_sources_weights_teacher_and_explicit_prefix_len(tokenizer):
     assert metrics["source_frac/dataset"] == 0.0
     # only the learner's own token counts: on the teacher-written row, logp - teacher_logp estimates no KL
     assert metrics["teacher_nll"] == pytest.approx(2.0)
-    assert metrics["teacher_kl"] == pytest.approx(-3 + 2)
+    assert metrics["teacher_kl/supervised"] == pytest.approx(-3 + 2)
     assert metrics["weight/mean"] == pytest.approx(1.0)
     assert metrics["weight/positive_frac"] == pytest.approx(2 / 3)
     assert metrics["prefix_len/max"] == 7.0

@@ -55,7 +55,7 @@ def step_lines(num_steps, *, sources, teacher=False, seed=0):
             "prefix_len_hist": [8, 16, 30, 60, 80, 70, 30 + step % 4],
         }
         if teacher:
-            line["teacher_kl"] = 0.8 * np.exp(-step / num_steps) + 0.02 * rng.standard_normal()
+            line["teacher_kl/supervised"] = 0.8 * np.exp(-step / num_steps) + 0.02 * rng.standard_normal()
             line["teacher_nll"] = 1.5
         lines.append(line)
     return lines
@@ -133,7 +133,7 @@ def runs(tmp_path):
         tmp_path / "opd",
         steps=step_lines(40, sources={"dataset": 0.0, "learner": 0.75, "teacher": 0.25}, teacher=True, seed=1),
         drift=drift_lines(6, 0.003),
-        log_history=[{"step": s, "loss": 1.0, "teacher_kl": 0.5} for s in range(1, 41)],
+        log_history=[{"step": s, "loss": 1.0, "teacher_kl/sampled": 0.5} for s in range(1, 41)],
     )
     return {"sft": sft, "stock": stock, "opd": opd}
 
@@ -188,10 +188,10 @@ def test_report_tables_plots_and_notes(runs, tmp_path):
     weighted_nll = np.average([s["state_nll"] for s in sft_steps], weights=tokens)
     close(states["mild-sft"]["state_nll"], weighted_nll, 4)
     close(states["mild-sft"]["dataset"], 1.0, 3)
-    assert states["mild-sft"]["teacher_kl"] == "-"
+    assert states["mild-sft"]["teacher_kl/supervised"] == "-"
     close(states["opd"]["learner"], 0.75, 3)
     close(states["opd"]["teacher"], 0.25, 3)
-    assert states["opd"]["teacher_kl"] != "-"
+    assert states["opd"]["teacher_kl/supervised"] != "-"
     assert set(states["stock-sft"].values()) == {"stock-sft", "-"}
 
     # visible notes for what is missing
@@ -288,11 +288,11 @@ def test_teacher_kl_is_weighted_by_the_learner_tokens_it_averages():
         {
             "supervised_tokens": [100, 300],
             "source_frac/learner": [1.0, 0.0],  # step 2's tokens all came from the dataset: its value covers nothing
-            "teacher_kl": [0.2, 0.9],
+            "teacher_kl/supervised": [0.2, 0.9],
             "state_nll": [1.0, 2.0],
         }
     )
-    assert token_weighted_mean(steps, "teacher_kl", source="learner") == pytest.approx(0.2)
+    assert token_weighted_mean(steps, "teacher_kl/supervised", source="learner") == pytest.approx(0.2)
     assert token_weighted_mean(steps, "state_nll") == pytest.approx((100 * 1.0 + 300 * 2.0) / 400)
 
 
@@ -362,8 +362,7 @@ def test_runs_with_several_teachers_get_a_row_and_curves_per_teacher(runs, tmp_p
         line["supervised_tokens/kb"] = line["supervised_tokens"] // 4
         line["source_frac/teacher/math"], line["source_frac/teacher/kb"] = 0.4 - 0.01 * line["step"], 0.1
     log_history = [
-        {"step": s, "loss": 1.0, "statelens/teacher_kl/math": 0.1 * s, "statelens/teacher_kl/kb": 0.5}
-        for s in range(1, 7)
+        {"step": s, "loss": 1.0, "teacher_kl/sampled/math": 0.1 * s, "teacher_kl/sampled/kb": 0.5} for s in range(1, 7)
     ]
     routed = write_run(tmp_path / "routed", steps=steps, log_history=log_history)
     text = write_report([runs["opd"], routed], tmp_path / "out").read_text()
@@ -381,11 +380,39 @@ def test_runs_with_several_teachers_get_a_row_and_curves_per_teacher(runs, tmp_p
     close(table["routed", "kb"]["share"], 1 - math_tokens / tokens.sum(), 3)
     written = np.average([line["source_frac/teacher/math"] for line in steps], weights=tokens)
     close(table["routed", "math"]["teacher-written share"], written, 3)
-    close(table["routed", "math"]["teacher_kl"], 0.35, 4)  # the mean of 0.1 ... 0.6
-    close(table["routed", "kb"]["teacher_kl"], 0.5, 4)
+    close(table["routed", "math"]["teacher_kl/sampled"], 0.35, 4)  # the mean of 0.1 ... 0.6
+    close(table["routed", "kb"]["teacher_kl/sampled"], 0.5, 4)
     assert "](teachers.png)" in text
     assert_not_blank(tmp_path / "out" / "teachers.png")
 
     text = write_report([runs["opd"]], tmp_path / "single").read_text()
     assert "## Teachers" not in text
     assert "No plot 'Teacher KL and supervised tokens per teacher': no run has several teachers" in text
+
+
+def test_teacher_disagreement_has_a_target_panel_only_when_a_run_scored_the_target(tmp_path, monkeypatch):
+    """The probe's exact KL to the teacher in three panels; the fourth, the target score during training, only for
+    runs evaluated during training (`--target_eval_steps`): the demo's report has no empty axis."""
+    from trl_statelens import report
+
+    drift = [
+        {**line, "teacher_kl/exact": 0.3 / (1 + i), "teacher_kl/exact_fixed": 0.3, "teacher_kl/exact_number": 0.5,
+         "teacher_kl/exact_other": 0.2, "number_frac": 0.2, "probe_tokens": 40.0}
+        for i, line in enumerate(drift_lines(4, 0.002))
+    ]  # fmt: skip
+    figures = {}
+    save = report.save
+    monkeypatch.setattr(
+        report, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+    )
+    for name, log_history in (
+        ("unscored", [{"step": s, "loss": 1.0} for s in range(1, 16)]),
+        ("scored", [{"step": s, "eval/gsm8k/accuracy_strict": 0.4 + 0.01 * s} for s in (5, 10, 15)]),
+    ):
+        run = write_run(tmp_path / name, drift=drift, log_history=log_history)
+        write_report([run], tmp_path / f"{name}-report")
+        axes = figures.pop("teacher_disagreement.png").axes
+        titles = [ax.get_title() for ax in axes]
+        assert all(ax.lines for ax in axes), titles  # no empty panel
+        assert len(axes) == (4 if name == "scored" else 3), titles
+        assert any(title.startswith("Target during training") for title in titles) == (name == "scored")

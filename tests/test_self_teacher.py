@@ -49,7 +49,7 @@ def test_base_teacher_with_empty_context_gives_zero_kl_and_zero_gradient(
     )
     assert isinstance(trainer.teacher, SelfTeacher) and trainer.teacher.model is not trainer.model  # one copy
     trainer.train()
-    assert log_history(trainer, "teacher_kl")[0] == 0.0
+    assert log_history(trainer, "teacher_kl/sampled")[0] == 0.0
     assert log_history(trainer, "grad_norm")[0] == 0.0
 
 
@@ -86,9 +86,9 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
         assert batch["teacher_scores"] is None  # computed within the loss
         student = trainer.accelerator.unwrap_model(trainer.model)
         hidden = torch.zeros((*completion_ids.shape, student.config.hidden_size))
-        _, teacher_logps = trainer.teacher.divergence_loss(
+        teacher_logps = trainer.teacher.divergence_loss(
             student, hidden, batch, completion_mask.float(), 1.0, 1.0, trainer.temperature
-        )
+        ).teacher_logps
 
     base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
     for i, prompt in enumerate(batch["teacher_prompt_ids"]):
@@ -317,7 +317,7 @@ def test_live_teacher_is_the_student_and_trains(tmp_path, math_trained_path, mat
     assert trainer.teacher.model is trainer.model and trainer.teacher_model is trainer.model
     assert trainer.probe_teacher_model is None  # no probe teacher: the probe prompts hold no privileged context
     trainer.train()
-    kl = log_history(trainer, "teacher_kl")
+    kl = log_history(trainer, "teacher_kl/sampled")
     assert len(kl) == 2 and all(k != 0.0 for k in kl)  # the context changes what the student predicts
 
 

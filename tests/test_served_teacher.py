@@ -243,10 +243,12 @@ def test_reverse_kl_through_the_server_matches_the_in_process_teacher(
     mask = local_batch["completion_mask"].bool()
     assert mask.sum() > 50
     torch.testing.assert_close(served_batch["teacher_logps"], local_batch["teacher_logps"], atol=1e-5, rtol=1e-5)
-    for key in ("loss", "teacher_kl", "teacher_nll", "grad_norm"):
+    for key in ("loss", "teacher_kl/sampled", "teacher_nll", "grad_norm"):
         assert log_history(served_trainer, key) == pytest.approx(log_history(local, key), rel=1e-4, abs=1e-6), key
     ledgers = [read_jsonl(tmp_path / name / "statelens" / "steps.jsonl") for name in ("local", "served")]
-    assert ledgers[1][0]["teacher_kl"] == pytest.approx(ledgers[0][0]["teacher_kl"], rel=1e-4, abs=1e-6)
+    assert ledgers[1][0]["teacher_kl/supervised"] == pytest.approx(
+        ledgers[0][0]["teacher_kl/supervised"], rel=1e-4, abs=1e-6
+    )
 
 
 def spy_scoring(trainer):
@@ -457,7 +459,7 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
     assert len(served_grads) == len(local_grads) > 0
     for served_grad, local_grad in zip(served_grads, local_grads):
         torch.testing.assert_close(served_grad, local_grad, atol=1e-6, rtol=1e-4)
-    metrics = [t._metrics["train"]["teacher_kl"] for t in (local, served_)]
+    metrics = [t._metrics["train"]["teacher_kl/sampled"] for t in (local, served_)]
     assert metrics[1] == pytest.approx(metrics[0], rel=1e-4, abs=1e-6)
 
 
@@ -530,10 +532,12 @@ def test_divergence_trains_through_the_server_on_the_teachers_top_k(
     trainer.teacher.server.top_logps = lambda *args: asked.append(args[2]) or top_logps(*args)
     trainer.train()
     assert asked == [8, 8]  # one top-k request per step
-    losses, kl = log_history(trainer, "loss"), log_history(trainer, "teacher_kl")
+    losses, kl = log_history(trainer, "loss"), log_history(trainer, "teacher_kl/sampled")
     assert len(losses) == 2 and all(loss > 0 for loss in losses) and all(torch.isfinite(torch.tensor(kl)))
     assert any(not torch.equal(a, b) for a, b in zip(start, trainer.model.parameters()))
-    assert read_jsonl(tmp_path / "statelens" / "steps.jsonl")[0]["teacher_kl"] == pytest.approx(kl[0], abs=1e-5)
+    assert read_jsonl(tmp_path / "statelens" / "steps.jsonl")[0]["teacher_kl/supervised"] == pytest.approx(
+        kl[0], abs=1e-5
+    )
 
 
 def test_a_server_capping_log_probs_below_teacher_top_k_is_refused_at_start_up(
@@ -632,7 +636,8 @@ def test_recipe_with_a_served_teacher_writes_the_in_process_ledger(
     assert results["served"]["teacher"] == teacher_server.url
     assert results["served"]["distributed"]["teacher_engine"] is None
     kl = {
-        name: [s["teacher_kl"] for s in read_jsonl(tmp_path / name / "statelens" / "steps.jsonl")] for name in teachers
+        name: [s["teacher_kl/supervised"] for s in read_jsonl(tmp_path / name / "statelens" / "steps.jsonl")]
+        for name in teachers
     }
     assert len(kl["served"]) == 2 and kl["served"] == pytest.approx(kl["local"], rel=1e-4, abs=1e-6)
 

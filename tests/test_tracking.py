@@ -29,9 +29,12 @@ def test_statelens_metrics_in_tensorboard_event_files(tensorboard_opd_run):
     events = EventAccumulator(str(event_files[0].parent), size_guidance={"scalars": 0})
     events.Reload()
     expected = logged(log_history)
-    assert {"statelens/state_nll", "statelens/offpolicy_gap", "statelens/teacher_kl", "statelens/drift/mmd"} <= set(
-        expected
-    )
+    assert {
+        "statelens/state_nll",
+        "statelens/offpolicy_gap",
+        "statelens/teacher_kl/supervised",
+        "statelens/drift/mmd",
+    } <= set(expected)
     for key, points in expected.items():
         scalars = events.Scalars(f"train/{key}")  # the trainer's tensorboard callback prefixes train/
         assert [s.step for s in scalars] == [step for step, _ in points], key  # once per logged step

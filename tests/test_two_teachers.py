@@ -45,7 +45,7 @@ def test_smoke_runs_every_arm_and_summarizes_per_teacher(tmp_path, student_path,
         arm: next(e for e in json.loads((out / "seed0" / arm / "log_history.json").read_text()) if e["step"] == 1)
         for arm in tt.ARMS
     }
-    math_kl, kb_kl = "statelens/teacher_kl/math", "statelens/teacher_kl/kb"
+    math_kl, kb_kl = "teacher_kl/sampled/math", "teacher_kl/sampled/kb"
     assert step1["two_teachers"][math_kl] == pytest.approx(step1["math_teacher"][math_kl])
     assert step1["two_teachers"][math_kl] != pytest.approx(step1["kb_teacher"][math_kl])  # the routing matters
     if kb_kl in step1["two_teachers"]:  # (when step 1 drew a kb row)

@@ -32,8 +32,9 @@ class StateLoggingCallback(TrainerCallback):
 
     - with a StateLens trainer ([`StateLensSFTTrainer`], [`StateLensGRPOTrainer`] or any trainer using
       [`StateRecorderMixin`]), the step's state records are gathered from every rank and aggregated (`state_nll`,
-      `state_entropy`, `offpolicy_gap`, `source_frac/*`, `prefix_len/*`, `weight/*`, and `teacher_nll`/`teacher_kl`
-      when a teacher scored the tokens; with several teachers `supervised_tokens/<name>` and
+      `state_entropy`, `offpolicy_gap`, `source_frac/*`, `prefix_len/*`, `weight/*`, and `teacher_nll` and
+      `teacher_kl/supervised` (the sampled reverse KL on the supervised tokens the learner sampled) when a teacher
+      scored the tokens; with several teachers `supervised_tokens/<name>` and
       `source_frac/teacher/<name>`). The aggregates go into the trainer's metrics under the `statelens/` prefix,
       so they are logged (and reach `report_to` backends) with the trainer's own metrics;
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
@@ -41,15 +42,16 @@ class StateLoggingCallback(TrainerCallback):
     - with a teacher in the trainer's process ([`probe_teacher_model`]: [`OnPolicyDistillTrainer`], TRL's
       `DistillationTrainer`), the same probe step also measures where the student still disagrees with it, whatever
       the training signal: the exact per-token reverse KL $\mathrm{KL}(p_S \| p_T)$ over the whole vocabulary at
-      every completion position, averaged over the probe completion tokens, as `statelens/drift/teacher_kl` on the
-      student's current samples (its own states now), `teacher_kl_fixed` on the step-0 samples (fixed states:
-      a fall there is agreement, not a change of states), `teacher_kl_number` / `teacher_kl_other` on tokens whose
+      every completion position, averaged over the probe completion tokens, as `statelens/drift/teacher_kl/exact` on
+      the student's current samples (its own states now), `teacher_kl/exact_fixed` on the step-0 samples (fixed
+      states: a fall there is agreement, not a change of states), `teacher_kl/exact_number` /
+      `teacher_kl/exact_other` on tokens whose
       text holds a digit / the rest, with `number_frac` (the share of number tokens) and `probe_tokens` (mean
       completion tokens per probe; rollouts getting shorter lower a summed KL without any agreement). `drift.jsonl`
-      adds `teacher_kl_by_prefix`: `[tokens, mean KL]` per prefix-length bin (the bins of `prefix_len_hist`);
+      adds `teacher_kl/exact_by_prefix`: `[tokens, mean KL]` per prefix-length bin (the bins of `prefix_len_hist`);
     - at the same probe step, how far the policy has moved from the one it started from, on the completions
       $y_1, \dots, y_n$ that the starting policy $\pi_0$ sampled at step 0 (kept in `drift_reference.json`), scored
-      with one forward pass of the current policy $\pi_\theta$ (shared with `teacher_kl_fixed`), at the trainer's
+      with one forward pass of the current policy $\pi_\theta$ (shared with `teacher_kl/exact_fixed`), at the trainer's
       `temperature` (1 without one). With $N$ their tokens in all and $s_{i,t}$ the prompt and first $t - 1$ tokens of $y_i$:
 
       - `statelens/drift/base_kl`, the per-token forward KL from $\pi_0$ to $\pi_\theta$ on the probe prompts
@@ -189,7 +191,7 @@ class StateLoggingCallback(TrainerCallback):
             if state.is_world_process_zero:
                 line = {"step": state.global_step, **drift, "num_states": states.num_states}
                 if by_prefix is not None:
-                    line["teacher_kl_by_prefix"] = by_prefix
+                    line["teacher_kl/exact_by_prefix"] = by_prefix
                 self._append("drift.jsonl", [line])
 
     # ----- logging and ledger ----------------------------------------------------------------------------------
@@ -387,7 +389,7 @@ class StateLoggingCallback(TrainerCallback):
         )
 
     def _reference_divergences(self) -> dict[str, float]:
-        """`base_kl` and `base_kl_topk` on the step-0 completions, and `teacher_kl_fixed` there with a teacher: one
+        """`base_kl` and `base_kl_topk` on the step-0 completions, and `teacher_kl/exact_fixed` there with a teacher: one
         forward pass of the policy (and the teacher) over them."""
         base_kl, base_kl_topk, teacher = [], [], []
         scored = self._score_completions(self._reference_texts, with_teacher=self._has_teacher())
@@ -403,7 +405,7 @@ class StateLoggingCallback(TrainerCallback):
             "base_kl_topk": sum(row.sum().item() for row in base_kl_topk) / tokens,
         }
         if teacher:
-            metrics["teacher_kl_fixed"] = self._teacher_kl_metrics(teacher)[0]["teacher_kl"]
+            metrics["teacher_kl/exact_fixed"] = self._teacher_kl_metrics(teacher)[0]["teacher_kl/exact"]
         return metrics
 
     def _teacher_kl_metrics(self, scored: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -416,9 +418,9 @@ class StateLoggingCallback(TrainerCallback):
         prefix_len = torch.cat([torch.arange(len(token_ids)) for token_ids, _ in scored])
         tokens = max(kl.numel(), 1)
         metrics = {
-            "teacher_kl": kl.sum().item() / tokens,
-            "teacher_kl_number": kl[number].mean().item() if number.any() else float("nan"),
-            "teacher_kl_other": kl[~number].mean().item() if (~number).any() else float("nan"),
+            "teacher_kl/exact": kl.sum().item() / tokens,
+            "teacher_kl/exact_number": kl[number].mean().item() if number.any() else float("nan"),
+            "teacher_kl/exact_other": kl[~number].mean().item() if (~number).any() else float("nan"),
             "number_frac": number.double().sum().item() / tokens,
             "probe_tokens": kl.numel() / len(scored),
         }

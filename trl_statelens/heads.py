@@ -4,9 +4,13 @@ log-probs through TRL's chunked kernel, and the generalised JSD on a teacher's t
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from trl.kernels import ChunkedLogProbFunction
+from trl.kernels.chunked_divergence import TOKEN_CHUNK_SIZE, ChunkedDivergenceFunction, _compute_dtype
+from trl.kernels.chunked_logprob import _torch_transform, _use_triton
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 # Vocabulary columns per projection tile in the completion log-prob path (TRL's fused head uses 32768). On CPU a
@@ -83,6 +87,132 @@ def _completion_logps_and_entropies(unwrapped_model, input_ids, attention_mask, 
     return logps.masked_fill(padding, 0.0), None if entropies is None else entropies.masked_fill(padding, 0.0)
 
 
+class _DivergenceAndLogNormalizers(ChunkedDivergenceFunction):
+    """TRL's chunked divergence (`ChunkedDivergenceFunction`, what `DistillationTrainer` runs), also handing back what
+    its forward keeps for the backward anyway: each position's student and teacher log-normalizer (the log-sum-exp of
+    its logits after scale, soft-cap and temperature). A token's log-prob under either model is then one logit minus
+    its normalizer, so the ledger's values need no second pass over the vocabulary. Same forward, same backward."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        divergence, entropy = ChunkedDivergenceFunction.forward(ctx, *args)
+        # TRL 1.16 saves (student hidden, weight, bias, teacher hidden, weight, bias, student log-normalizer, teacher
+        # log-normalizer, aux); copies, so that nothing done to an output can touch what the backward reads
+        student_log_z, teacher_log_z = (t.clone() for t in ctx.to_save[6:8])
+        ctx.mark_non_differentiable(entropy, student_log_z, teacher_log_z)
+        return divergence, entropy, student_log_z, teacher_log_z
+
+    @staticmethod
+    def backward(ctx, grad_divergence, *unused):
+        return ChunkedDivergenceFunction.backward(ctx, grad_divergence, None)
+
+
+class Divergence(NamedTuple):
+    """A micro-batch's `divergence` loss, and per completion position `(B, T)` the teacher's log-prob of the token,
+    and the student's log-prob of it and entropy there when the loss's own pass gives them (`None` otherwise: the
+    trainer projects them itself)."""
+
+    loss: torch.Tensor
+    teacher_logps: torch.Tensor
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+
+
+def divergence_and_token_logps(
+    student,
+    student_hidden: torch.Tensor,
+    teacher,
+    teacher_hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor,
+    token_mask: torch.Tensor,
+    beta: float,
+    normalizer,
+    temperature: float = 1.0,
+) -> Divergence:
+    """TRL's exact generalised JSD between the student's and the teacher's next-token distributions over the full
+    vocabulary, computed as `DistillationTrainer`'s `_chunked_divergence_loss` computes it (summed over the positions
+    with `loss_mask != 0`, divided by `normalizer`), plus the per-token values the state records need, from that pass.
+
+    Args:
+        student, teacher: the unwrapped models whose output layers project `student_hidden` and `teacher_hidden`
+            `(B, T, H)`, the final hidden states at the completion positions, with their logit scale and soft-cap.
+        tokens (`torch.Tensor`): `(B, T)` the completion tokens, whose log-probs are returned.
+        loss_mask (`torch.Tensor`): `(B, T)`, non-zero at the positions the loss sums.
+        token_mask (`torch.Tensor`): `(B, T)`, non-zero where the per-token values are wanted too (the completion:
+            the metrics read the tokens the student sampled, supervised or not).
+    """
+    weights, biases = [], []
+    for model, hidden in ((student, student_hidden), (teacher, teacher_hidden)):
+        head = model.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):  # FSDP2: one gather for every chunk, as `_chunked_divergence_loss` does
+            weight = weight.full_tensor().to(hidden.dtype)
+            bias = bias.full_tensor() if bias is not None else None
+        weights.append(weight)
+        biases.append(bias)
+    (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
+        _logit_post_processing, (student, teacher)
+    )
+    loss_positions = loss_mask.reshape(-1) != 0
+    positions = loss_positions | (token_mask.reshape(-1) != 0)
+    h_s = student_hidden.reshape(-1, student_hidden.size(-1))
+    h_t = teacher_hidden.reshape(-1, teacher_hidden.size(-1))
+    flat_tokens = tokens.reshape(-1)
+    # As TRL: only the wanted positions are projected on Triton devices; elsewhere every position is (static shapes)
+    compact = _use_triton(student_hidden.device)
+    if compact:
+        h_s, h_t, flat_tokens, loss_positions = (x[positions] for x in (h_s, h_t, flat_tokens, loss_positions))
+    with maybe_gather_lm_head_ctx(*weights, *biases):  # gathered once for the kernel's forward and the tokens' logits
+        divergence, entropy, student_log_z, teacher_log_z = _DivergenceAndLogNormalizers.apply(
+            h_s,
+            weights[0],
+            biases[0],
+            h_t,
+            weights[1],
+            biases[1],
+            beta,
+            temperature,
+            student_scale,
+            student_softcap,
+            teacher_scale,
+            teacher_softcap,
+        )
+        with torch.no_grad():
+            student_logits = _token_logits(
+                h_s, weights[0], biases[0], flat_tokens, student_scale, student_softcap, temperature
+            )
+            teacher_logits = _token_logits(
+                h_t, weights[1], biases[1], flat_tokens, teacher_scale, teacher_softcap, temperature
+            )
+    loss = divergence.masked_fill(~loss_positions, 0).sum()
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.to(loss.device)
+    per_token = []  # (B, T), 0 where no value was asked for
+    for values in (teacher_logits - teacher_log_z, student_logits - student_log_z, entropy):
+        full = torch.zeros(positions.shape, dtype=values.dtype, device=values.device)
+        full[positions] = values if compact else values[positions]
+        per_token.append(full.view_as(tokens))
+    return Divergence(loss / normalizer, *per_token)
+
+
+def _token_logits(hidden, weight, bias, tokens, scale, softcap, temperature) -> torch.Tensor:
+    """The logit of each position's token `(N,)`, after scale, soft-cap and temperature, projected as the divergence
+    kernel projects (the hidden states and weight rows in its compute dtype, products summed in float32), a chunk of
+    positions at a time."""
+    dtype = _compute_dtype(hidden)
+    logits = []
+    for start in range(0, hidden.size(0), TOKEN_CHUNK_SIZE):
+        rows = slice(start, start + TOKEN_CHUNK_SIZE)
+        ids = tokens[rows].to(weight.device)
+        logit = (hidden[rows].to(dtype).float() * weight[ids].to(dtype).float()).sum(-1)
+        if bias is not None:
+            logit = logit + bias[ids].float()
+        logits.append(logit)
+    logits = torch.cat(logits) if logits else hidden.new_zeros(0, dtype=torch.float32)
+    return _torch_transform(logits, scale, softcap or 1.0, 1 / temperature, softcap is not None)
+
+
 def _student_log_probs(unwrapped_model, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full next-token log-probs `(N, V)` in float32 from final hidden states `(N, H)`, through the model's own
     output layer (called as a module, so ZeRO-3 gathers its weights for the forward and the backward) with its logit
@@ -108,6 +238,7 @@ def topk_tail_divergence(
     beta: float,
     normalizer,
     temperature: float = 1.0,
+    chunks: list[slice] | None = None,
 ) -> torch.Tensor:
     """Generalised JSD between student and teacher restricted to the teacher's top-k tokens plus a tail bucket.
 
@@ -126,11 +257,15 @@ def topk_tail_divergence(
         top_ids (`torch.Tensor`): `(B, T, k)` the teacher's top-k token ids per position.
         top_logps (`torch.Tensor`): `(B, T, k)` their teacher log-probs (`-inf` where absent).
         loss_mask (`torch.Tensor`): `(B, T)`, non-zero at the supervised positions.
+        chunks (`list[slice]`, *optional*): the supervised positions (in row order) projected per call of the output
+            layer; by default `POSITION_CHUNK` at a time. Under ZeRO-3 each call gathers the layer's shards: the
+            caller passes as many as every rank makes ([`agreed_chunks`]), empty ones included.
     """
     valid = loss_mask != 0
     hidden = student_hidden[valid]
     ids, teacher = top_ids[valid].to(hidden.device), top_logps[valid].to(hidden.device, torch.float32)
-    chunks = [slice(i, i + POSITION_CHUNK) for i in range(0, hidden.size(0), POSITION_CHUNK)]
+    if chunks is None:
+        chunks = [slice(i, i + POSITION_CHUNK) for i in range(0, hidden.size(0), POSITION_CHUNK)]
     losses = [
         topk_tail_jsd(_student_log_probs(unwrapped_model, hidden[c], temperature), ids[c], teacher[c], beta)
         for c in chunks

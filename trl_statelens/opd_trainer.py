@@ -70,6 +70,10 @@ def no_reward(completions, **kwargs) -> list[float]:
     return [0.0] * len(completions)
 
 
+# What GRPO logs from the rewards each generation batch; with `no_reward` only, constants (0, 0, 1) that say nothing
+REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/no_reward/mean", "rewards/no_reward/std")
+
+
 class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     """On-policy distillation: the student samples rollouts and a frozen teacher supervises the student's own states.
 
@@ -87,7 +91,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             vLLM server running it (a string starting with `http://` or `https://`), in-process and served mixed. Each
             row goes to the teacher its `teacher_id` column names (TRL's name); rows without the column, or with
             `None`, go to the first teacher of the dict. Every signal and state source works per row; the metrics add
-            `statelens/teacher_kl/<name>`, and the state records `statelens/supervised_tokens/<name>` and
+            `teacher_kl/sampled/<name>`, and the state records `statelens/supervised_tokens/<name>` and
             `statelens/source_frac/teacher/<name>`; the ledger's sequences carry their `teacher`.
 
             The student as its own teacher: omit it and set `args.teacher_model_kind` ([`SelfTeacher`]); the teacher
@@ -107,7 +111,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             datasets (an `image` or `images` column, what GRPO reads images from) are refused: neither the loss nor
             the teacher would see the images.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
-            `args.reward_weight`.
+            `args.reward_weight`. Without them nothing is rewarded: GRPO's reward metrics are not logged and the
+            ledger's sequences carry no reward.
         eval_dataset, processing_class, callbacks, optimizers, peft_config, state_logging: as for
             [`StateLensGRPOTrainer`].
     """
@@ -199,6 +204,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             peft_config=peft_config,
             state_logging=state_logging,
         )
+        self._has_rewards = reward_funcs is not None
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG (so are
         # a served teacher's sampling seeds)
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
@@ -307,6 +313,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             output = super()._generate_and_score_completions(inputs)  # calls `_generate` below, then the rewards
         finally:
             self._rollout_batch = None
+        if not self._has_rewards:  # GRPO scored the rollouts with `no_reward`: drop what it logged of those zeros
+            for key in REWARD_METRICS:
+                self._metrics["train" if self.model.training else "eval"].pop(key, None)
+            self._logs["rewards"].pop(no_reward.__name__, None)
+            output.pop("rewards", None)  # the ledger's sequences then carry no reward
         device = output["completion_ids"].device
         output["row_source"] = torch.tensor([source_code(s) for s in batch.sources], device=device)
         output["teacher"] = batch.teachers  # a list: GRPO shuffles and splits it with the rows
@@ -555,8 +566,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 source=align(token_source),
                 prefix_len=align(torch.arange(num_completion, device=input_ids.device).expand_as(completion_ids)),
                 attention_mask=attention_mask,
-                # Continuation tokens are the teacher's own samples: the records' teacher_kl (over tokens the
-                # learner sampled) has nothing to average there; the trainer's `teacher_kl` covers the prefix.
+                # Continuation tokens are the teacher's own samples: the records' `teacher_kl/supervised` (over
+                # tokens the learner sampled) has nothing to average there; `teacher_kl/sampled` covers the prefix.
                 teacher_logps=None if self.args.signal == "continuation" else align(teacher_logps),
                 weights=weights if isinstance(weights, float) else align(weights),
                 rewards=inputs.get("rewards"),
@@ -575,8 +586,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     def _divergence_loss(self, unwrapped, inputs, input_ids, attention_mask, loss_mask, normalizer):
         """Runs inside the student wrapper's forward (so DDP/DeepSpeed see one forward): the teacher's divergence loss
         on the student's final hidden states (full-vocabulary generalised JSD in-process, top-k plus tail from a
-        server), plus the per-token log-probs and entropies the records need, and a MoE student's router
-        load-balancing loss (`None` unless GRPO's `aux_loss_enabled`)."""
+        server), plus the per-token log-probs and entropies the records need (an in-process teacher's pass gives them),
+        and a MoE student's router load-balancing loss (`None` unless GRPO's `aux_loss_enabled`)."""
         num_completion = inputs["completion_ids"].size(1)
         if self.aux_loss_enabled:
             student_hidden, aux_loss = _completion_hidden_states_and_aux_loss(
@@ -585,19 +596,22 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         else:
             student_hidden = _completion_hidden_states(unwrapped, input_ids, attention_mask, num_completion)
             aux_loss = None
-        loss, teacher_logps = self.teacher.divergence_loss(
+        out = self.teacher.divergence_loss(
             unwrapped, student_hidden, inputs, loss_mask, normalizer, self.args.jsd_beta, self.temperature
         )
-        with torch.no_grad():
-            tokens = inputs["completion_ids"]
-            logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
-        return loss, logps, entropies, teacher_logps, aux_loss
+        logps, entropies = out.logps, out.entropies
+        if logps is None:  # a served teacher's loss projects the supervised positions only: one more pass here
+            with torch.no_grad():
+                tokens = inputs["completion_ids"]
+                logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
+        return out.loss, logps, entropies, out.teacher_logps, aux_loss
 
     def _log_teacher_metrics(
         self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source, teachers
     ):
-        """`teacher_kl` (mean sampled reverse KL) and `teacher_nll` over the tokens the student sampled itself; with
-        several teachers, `statelens/teacher_kl/<name>` per teacher too (each row's `teachers` entry). Supervised
+        """`teacher_kl/sampled` (the sampled reverse KL `log p_S - log p_T`, a one-sample estimate of KL(p_S || p_T))
+        and `teacher_nll`, means over every completion token the student sampled itself (supervised or not); with
+        several teachers, `teacher_kl/sampled/<name>` per teacher too (each row's `teachers` entry). Supervised
         tokens per teacher are counted per optimizer step by the state records (`StateLoggingCallback`)."""
         mode = "train" if self.model.training else "eval"
         sampled = completion_mask.bool() & (token_source == LEARNER)
@@ -623,9 +637,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         for i, name in enumerate(self.teacher.names):
             teacher_kl_sum, teacher_count = totals[5 + 2 * i : 7 + 2 * i]
             if teacher_count > 0:
-                self._metrics[mode][f"statelens/teacher_kl/{name}"].append(teacher_kl_sum / teacher_count)
+                self._metrics[mode][f"teacher_kl/sampled/{name}"].append(teacher_kl_sum / teacher_count)
         if count > 0:
-            self._metrics[mode]["teacher_kl"].append(kl_sum / count)
+            self._metrics[mode]["teacher_kl/sampled"].append(kl_sum / count)
             self._metrics[mode]["teacher_nll"].append(nll_sum / count)
         if supervised > 0:
             self._metrics[mode]["entropy"].append(entropy_sum / supervised)

@@ -115,9 +115,10 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
     With several teachers (``teacher_names``, the order the records' ``teacher`` codes index), per teacher
     ``supervised_tokens/<name>`` (the supervised tokens of its rows) and ``source_frac/teacher/<name>`` (the share of
     all supervised tokens whose prefix it wrote: they sum to ``source_frac/teacher``).
-    ``teacher_nll`` and ``teacher_kl`` (the sampled reverse KL, ``log p_student - log p_teacher``) are means over the
-    tokens the learner sampled itself that have a teacher log-prob: on tokens the teacher wrote, that difference is
-    not an estimate of any KL. The records move to the CPU once and are reduced there in float64 (some devices, such
+    ``teacher_nll`` and ``teacher_kl/supervised`` (the sampled reverse KL, ``log p_student - log p_teacher``) are means
+    over the supervised tokens the learner sampled itself that have a teacher log-prob: on tokens the teacher wrote,
+    that difference is not an estimate of any KL. (The trainer's ``teacher_kl/sampled`` averages it over every token
+    the learner sampled, supervised or not; the probe's ``drift/teacher_kl/exact`` is the exact full-vocabulary KL.) The records move to the CPU once and are reduced there in float64 (some devices, such
     as Apple MPS, have no float64).
     """
     records = records.cpu()
@@ -151,7 +152,7 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
     sampled_by_learner = ~torch.isnan(records.teacher_logp) & (records.source == source_code("learner"))
     if sampled_by_learner.any():
         teacher_logp = records.teacher_logp.double()[sampled_by_learner]
-        names += ["teacher_nll", "teacher_kl"]
+        names += ["teacher_nll", "teacher_kl/supervised"]
         values += [-teacher_logp.mean(), (logp[sampled_by_learner] - teacher_logp).mean()]
     metrics.update(zip(names, torch.stack(values).tolist()))
     return metrics

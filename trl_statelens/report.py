@@ -50,7 +50,7 @@ STATE_TABLE_HEADER = [
     "prefix p50",
     "prefix p90",
     "prefix max",
-    "teacher_kl",
+    "teacher_kl/supervised",
 ]
 MISSING = "-"
 RUN_FOLDER_CONTENTS = (
@@ -234,26 +234,28 @@ def metric_curve(run: Run, name: str, log_key: str) -> tuple[np.ndarray, np.ndar
 
 
 def teacher_kl_curve(run: Run) -> tuple[np.ndarray, np.ndarray] | None:
-    """(steps, teacher_kl) from the ledger, else from the trainer's log history (OPD trainers log it)."""
-    return metric_curve(run, "teacher_kl", "teacher_kl")
+    """(steps, sampled reverse KL to the teacher): the ledger's `teacher_kl/supervised` (over the supervised tokens
+    the learner sampled), else the trainer's logged `teacher_kl/sampled` (over every token it sampled; OPD trainers
+    log it)."""
+    return metric_curve(run, "teacher_kl/supervised", "teacher_kl/sampled")
 
 
 def teacher_names(run: Run) -> list[str]:
     """The teachers of a run with several (`OnPolicyDistillTrainer` with a dict of teachers): the names in its
-    ledger's `supervised_tokens/<name>` and its log's `statelens/{supervised_tokens,teacher_kl}/<name>`, in order of
-    appearance."""
+    ledger's `supervised_tokens/<name>` and its log's `statelens/supervised_tokens/<name>` and
+    `teacher_kl/sampled/<name>`, in order of appearance."""
     keys = list(run.steps.columns) if run.steps is not None else []
     keys += [key for entry in run.log_history or [] if isinstance(entry, dict) for key in entry]
-    prefixes = ("supervised_tokens/", "statelens/supervised_tokens/", "statelens/teacher_kl/")
+    prefixes = ("supervised_tokens/", "statelens/supervised_tokens/", "teacher_kl/sampled/")
     names = [key.split(prefix, 1)[1] for key in keys for prefix in prefixes if key.startswith(prefix)]
     return list(dict.fromkeys(names))
 
 
 def teacher_curves(run: Run, name: str) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
-    """Teacher `name`'s per-step curves: `teacher_kl` (the trainer logs it), `supervised_tokens` and
+    """Teacher `name`'s per-step curves: `teacher_kl` (the trainer logs it as `teacher_kl/sampled/<name>`), `supervised_tokens` and
     `source_frac_teacher` (the ledger records them; from the log history when there is no ledger)."""
     return {
-        "teacher_kl": metric_curve(run, f"teacher_kl/{name}", f"statelens/teacher_kl/{name}"),
+        "teacher_kl": metric_curve(run, f"teacher_kl/sampled/{name}", f"teacher_kl/sampled/{name}"),
         "supervised_tokens": metric_curve(run, f"supervised_tokens/{name}", f"statelens/supervised_tokens/{name}"),
         "source_frac_teacher": metric_curve(
             run, f"source_frac/teacher/{name}", f"statelens/source_frac/teacher/{name}"
@@ -447,7 +449,7 @@ def state_table(runs: list[Run]) -> list[Block]:
                 *(fmt(token_weighted_mean(steps, m), ".4f") for m in ("state_nll", "state_entropy", "offpolicy_gap")),
                 *(fmt(token_weighted_mean(steps, f"prefix_len/{q}"), ".1f") for q in ("p10", "p50", "p90")),
                 fmt(None if prefix_max is None else float(np.nanmax(prefix_max)), ".0f"),
-                fmt(token_weighted_mean(steps, "teacher_kl", source="learner"), ".4f"),
+                fmt(token_weighted_mean(steps, "teacher_kl/supervised", source="learner"), ".4f"),
             ]
         )
     return [
@@ -458,8 +460,9 @@ def state_table(runs: list[Run]) -> list[Block]:
             "Supervised tokens: the total over all steps. dataset / learner / teacher: share of supervised tokens by "
             "state source. The other columns are per-step values averaged over steps, each step weighted by its "
             "supervised tokens (prefix quantiles are per-step quantiles so averaged); prefix max is the longest "
-            "supervised prefix of the run; teacher_kl over supervised tokens the learner sampled itself (OPD "
-            "reverse_kl and divergence; the continuation signal supervises the teacher's own tokens).",
+            "supervised prefix of the run; teacher_kl/supervised: the sampled reverse KL log p_student - log p_teacher "
+            "over supervised tokens the learner sampled itself (OPD reverse_kl and divergence; the continuation "
+            "signal supervises the teacher's own tokens).",
         ),
         *(note(text) for text in notes),
     ]
@@ -498,7 +501,7 @@ def teacher_table(runs: list[Run]) -> list[Block]:
         Block("heading", "Teachers"),
         Block(
             "table",
-            header=["Run", "Teacher", "Supervised tokens", "share", "teacher-written share", "teacher_kl"],
+            header=["Run", "Teacher", "Supervised tokens", "share", "teacher-written share", "teacher_kl/sampled"],
             rows=rows,
         ),
         Block(
@@ -506,8 +509,8 @@ def teacher_table(runs: list[Run]) -> list[Block]:
             "Runs with several teachers (each row routed by its `teacher_id`). Supervised tokens: the total over all "
             "steps on the rows this teacher answered, and their share of the run's. Teacher-written share: of all "
             "supervised tokens, those on prefixes this teacher wrote (`source_frac/teacher/<name>`, token-weighted "
-            "over steps; the run's teacher column above is their sum). teacher_kl: the mean of the logged "
-            "`statelens/teacher_kl/<name>` values, over the tokens its rows' student sampled.",
+            "over steps; the run's teacher column above is their sum). teacher_kl/sampled: the mean of the logged "
+            "`teacher_kl/sampled/<name>` values, over the tokens its rows' student sampled.",
         ),
     ]
 
@@ -716,7 +719,7 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
         plot_curve(ax, steps, values, styles[label], label)
     ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("teacher_kl (nats per token)")
+    ax.set_ylabel("sampled reverse KL (nats per token)")
     ax.set_title("Sampled reverse KL to the teacher: log p_student - log p_teacher")
     finish_legend(ax)
     return save(figure, out_dir, "teacher_kl.png")
@@ -737,7 +740,7 @@ def plot_teachers(runs, styles, out_dir) -> Path | None:
                     ax.plot(*curves[key], color=styles[run.label]["color"], linestyle=TEACHER_LINES[index % 4],
                             marker=styles[run.label]["marker"], markersize=3, label=f"{run.label}: {name}")  # fmt: skip
     kl_ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
-    kl_ax.set_title("Sampled reverse KL to each teacher (statelens/teacher_kl/<name>)")
+    kl_ax.set_title("Sampled reverse KL to each teacher (teacher_kl/sampled/<name>)")
     kl_ax.set_ylabel("nats per token")
     tokens_ax.set_title("Supervised tokens per step on each teacher's rows")
     tokens_ax.set_ylabel("tokens")
@@ -817,53 +820,63 @@ def plot_compute(runs, styles, out_dir, base_scores: dict | None = None) -> Path
 
 def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
     """Where the student still disagrees with its teacher, measured the same way for every trainer on the probe
-    states (exact reverse KL), next to the target score greedy and sampled."""
-    with_kl = [run for run in runs if column(run.drift, "teacher_kl") is not None]
+    states (exact reverse KL), next to the target score greedy and sampled when a run scored it during training (no
+    empty panel otherwise)."""
+    with_kl = [run for run in runs if column(run.drift, "teacher_kl/exact") is not None]
     if not with_kl:
         return None
-    figure, (states_ax, kind_ax, length_ax, score_ax) = new_figure((7.0, 10.0), rows=4)
+    scores = {}  # per run scored during training: (line style, curve), greedy (solid) and temperature-1 (dashed)
+    for run in with_kl:
+        curves = [
+            (line, target_scores_during(run, metric))
+            for metric, line in ((TARGET_METRIC, "-"), ("accuracy_sampled", "--"))
+        ]
+        if any(curve is not None for _, curve in curves):
+            scores[run.label] = [(line, curve) for line, curve in curves if curve is not None]
+    rows = 4 if scores else 3
+    figure, axes = new_figure((7.0, 2.5 * rows), rows=rows)
+    states_ax, kind_ax, length_ax = axes[:3]
     for run in with_kl:
         style, steps = styles[run.label], run.drift["step"].to_numpy(dtype=float)
         for ax, solid, dashed in (
-            (states_ax, "teacher_kl", "teacher_kl_fixed"),
-            (kind_ax, "teacher_kl_number", "teacher_kl_other"),
+            (states_ax, "teacher_kl/exact", "teacher_kl/exact_fixed"),
+            (kind_ax, "teacher_kl/exact_number", "teacher_kl/exact_other"),
         ):
             if column(run.drift, solid) is not None:
                 plot_curve(ax, steps, column(run.drift, solid), style, run.label, smooth=False)
             if column(run.drift, dashed) is not None:
                 ax.plot(steps, column(run.drift, dashed), color=style["color"], linestyle="--", linewidth=1.0)
         plot_curve(length_ax, steps, column(run.drift, "probe_tokens"), style, run.label, smooth=False)
-        for metric, line in ((TARGET_METRIC, "-"), ("accuracy_sampled", "--")):
-            curve = target_scores_during(run, metric)
-            if curve is not None:
-                score_ax.plot(*curve, color=style["color"], linestyle=line, marker=style["marker"], markersize=3,
-                              label=run.label if line == "-" else None)  # fmt: skip
-    if not score_ax.lines:
-        score_ax.text(0.5, 0.5, "no target scores during training (recipes: --target_eval_steps N)", ha="center",
-                      va="center", transform=score_ax.transAxes)  # fmt: skip
     states_ax.set_title("Reverse KL to the teacher, probe states: own (solid), step-0 (dashed)")
     kind_ax.set_title("... by token: number tokens (solid), the rest (dashed)")
     length_ax.set_title("Probe completion length (tokens)")
-    score_ax.set_title("Target during training: greedy (solid), temperature-1 samples (dashed)")
     for ax in (states_ax, kind_ax):
         ax.set_ylabel("nats per token")
-    score_ax.set_ylabel("accuracy")
-    score_ax.set_xlabel("optimizer step")
+    axes[-1].set_xlabel("optimizer step")
     finish_legend(states_ax)
-    finish_legend(score_ax)
+    if scores:
+        score_ax = axes[3]
+        for label, curves in scores.items():
+            style = styles[label]
+            for line, curve in curves:
+                score_ax.plot(*curve, color=style["color"], linestyle=line, marker=style["marker"], markersize=3,
+                              label=label if line == "-" else None)  # fmt: skip
+        score_ax.set_title("Target during training: greedy (solid), temperature-1 samples (dashed)")
+        score_ax.set_ylabel("accuracy")
+        finish_legend(score_ax)
     return save(figure, out_dir, "teacher_disagreement.png")
 
 
 def plot_teacher_kl_by_prefix(runs, styles, out_dir) -> Path | None:
     """Reverse KL to the teacher on the probe states by prefix-length bin, at the first probe step (dashed) and the
     last (solid): which parts of the answers still disagree."""
-    with_bins = [run for run in runs if run.drift is not None and "teacher_kl_by_prefix" in run.drift]
+    with_bins = [run for run in runs if run.drift is not None and "teacher_kl/exact_by_prefix" in run.drift]
     if not with_bins:
         return None
     figure, (ax,) = new_figure()
     num_bins = 1
     for run in with_bins:
-        lines = [b for b in run.drift["teacher_kl_by_prefix"] if isinstance(b, list) and b]
+        lines = [b for b in run.drift["teacher_kl/exact_by_prefix"] if isinstance(b, list) and b]
         if not lines:
             continue
         num_bins = max(num_bins, len(lines[0]), len(lines[-1]))
@@ -943,7 +956,7 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
         (
             "Teacher KL over steps",
             lambda: plot_teacher_kl(runs, styles, out_dir),
-            "no run logged `teacher_kl` (only on-policy distillation runs do)",
+            "no run logged `teacher_kl/sampled` (only on-policy distillation runs do)",
         ),
         (
             "Teacher KL and supervised tokens per teacher",
@@ -958,12 +971,12 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
         (
             "Where the student disagrees with its teacher",
             lambda: plot_teacher_disagreement(runs, styles, out_dir),
-            "no run has teacher_kl in `statelens/drift.jsonl` (a teacher in the trainer's process and probes)",
+            "no run has teacher_kl/exact in `statelens/drift.jsonl` (a teacher in the trainer's process and probes)",
         ),
         (
             "Where along the answer the student disagrees with its teacher",
             lambda: plot_teacher_kl_by_prefix(runs, styles, out_dir),
-            "no run has teacher_kl_by_prefix in `statelens/drift.jsonl`",
+            "no run has teacher_kl/exact_by_prefix in `statelens/drift.jsonl`",
         ),
         (
             "Target score vs supervised tokens",

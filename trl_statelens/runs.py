@@ -412,7 +412,7 @@ def print_summary(results: dict, log_history: list[dict], out: Path, report: Pat
         print(
             f"forgetting {results['retention']['forgetting']:+.4f}   retention {results['retention']['retention']:.4f}"
         )
-    for key in ("teacher_kl", "statelens/state_nll", "statelens/offpolicy_gap", "loss"):
+    for key in ("teacher_kl/sampled", "statelens/state_nll", "statelens/offpolicy_gap", "loss"):
         pair = first_and_last(log_history, key)
         if pair:
             print(f"{key:<26} first step {pair[0]:8.4f}   last step {pair[1]:8.4f}")

@@ -38,7 +38,7 @@ MAX_PROMPT_CHARS = 2000  # longer prompts keep their end, where the state begins
 STEP_METRICS = (
     ("state_nll", "state_nll (nats)"),
     ("offpolicy_gap", "offpolicy_gap (nats)"),
-    ("teacher_kl", "teacher_kl (nats)"),
+    ("teacher_kl/supervised", "teacher_kl/supervised (nats)"),
     ("source_frac/learner", "share of learner states"),
 )
 DRIFT_METRICS = (("mmd", "probe drift MMD²"), ("sliced_wasserstein", "probe drift sliced Wasserstein"))

@@ -320,8 +320,9 @@ def write_stats(run_dir: Path, base_model: str) -> dict:
         probe_step = min(drift, key=lambda s: (abs(s - step), s)) if drift else None
         row["probe_step"] = probe_step  # == step by construction (probe_plan); recorded to show it
         line = drift.get(probe_step, {})
-        for key in ("base_kl", "base_kl_topk", "mmd", "teacher_kl"):
+        for key in ("base_kl", "base_kl_topk", "mmd"):
             row[key] = line.get(key)
+        row["teacher_kl"] = line.get("teacher_kl/exact")  # the probe's exact KL to the teacher
         upto = [entry for entry in ledger if entry["step"] <= step]
         nll = [entry["state_nll"] for entry in upto if entry.get("state_nll") is not None]
         gap = [entry["offpolicy_gap"] for entry in upto if entry.get("offpolicy_gap") is not None]

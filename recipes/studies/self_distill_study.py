@@ -280,7 +280,7 @@ def state_records(folder: Path) -> dict:
         "state_nll": mean("state_nll"),
         "offpolicy_gap": mean("offpolicy_gap"),
         "prefix_len/mean": mean("prefix_len/mean"),
-        "teacher_kl": mean("teacher_kl", history),
+        "teacher_kl": mean("teacher_kl/sampled", history),
         "base_kl": drift[-1].get("base_kl") if drift else None,
         "base_kl_topk": drift[-1].get("base_kl_topk") if drift else None,
         "mmd": drift[-1].get("mmd") if drift else None,

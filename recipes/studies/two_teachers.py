@@ -13,7 +13,7 @@ routed teacher scores its answer under the lab OPD settings: `divergence`, jsd_b
 - `two_teachers`: math rows to the math teacher, kb rows to the kb teacher;
 - `math_teacher` / `kb_teacher`: every row to that one teacher. They route by task too, both names to the same teacher
   (a router of one teacher twice equals that teacher alone, tests/test_multi_teacher.py), so every arm logs
-  `statelens/teacher_kl/{math,kb}` and `statelens/supervised_tokens/{math,kb}` per task.
+  `teacher_kl/sampled/{math,kb}` and `statelens/supervised_tokens/{math,kb}` per task.
 
 Scores: target gsm8k (lab math test), retention mmlu (kb test: facts of entities the kb teacher never saw) and
 truthfulqa (truth test), and `kb_dev` (the routed kb prompts' own questions: what the kb teacher knows). Outputs in
@@ -124,7 +124,7 @@ def kb_dev_accuracy(model_path: str, lab_seed: int) -> float:
 
 
 def route_metrics(run_dir: Path) -> dict:
-    """Per route: `teacher_kl` at the first step with rows of it and over the last `LAST_STEPS` such steps (the
+    """Per route: `teacher_kl/sampled/<route>` at the first step with rows of it and over the last `LAST_STEPS` such steps (the
     trainer's logs, one entry a step), supervised tokens in all (the logs), and the ledger's supervised tokens in all (`steps.jsonl`, every
     route) and sampled sequences per route (`states.jsonl`)."""
     history = json.loads((run_dir / "log_history.json").read_text())
@@ -134,7 +134,7 @@ def route_metrics(run_dir: Path) -> dict:
     states = [json.loads(line) for line in sampled.read_text().splitlines()] if sampled.exists() else []
     out = {"ledger_supervised_tokens": sum(step["supervised_tokens"] for step in steps)}
     for route in ROUTES:
-        kl = [entry[f"statelens/teacher_kl/{route}"] for entry in history if f"statelens/teacher_kl/{route}" in entry]
+        kl = [entry[f"teacher_kl/sampled/{route}"] for entry in history if f"teacher_kl/sampled/{route}" in entry]
         tokens = [entry[f"statelens/supervised_tokens/{route}"] for entry in history
                   if f"statelens/supervised_tokens/{route}" in entry]  # fmt: skip
         out[route] = {

@@ -58,7 +58,7 @@ report = {}
 for signal in ("reverse_kl", "divergence", "continuation"):
     trainer = OnPolicyDistillTrainer(model=model_path, args=config(signal), train_dataset=dataset, state_logging=False)
     trainer.train()
-    kl = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
+    kl = [entry["teacher_kl/sampled"] for entry in trainer.state.log_history if "teacher_kl/sampled" in entry]
     report[signal] = {"global_step": trainer.state.global_step, "teacher_kl": kl}
 # A LoRA student's "base" teacher: the same partitioned module with its adapter disabled, no copy
 from peft import LoraConfig  # noqa: E402
@@ -68,7 +68,7 @@ trainer = OnPolicyDistillTrainer(
     model=model_path, args=config("divergence", "base"), train_dataset=dataset, peft_config=lora, state_logging=False
 )
 trainer.train()
-kl = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
+kl = [entry["teacher_kl/sampled"] for entry in trainer.state.log_history if "teacher_kl/sampled" in entry]
 report["lora_base"] = {"global_step": trainer.state.global_step, "teacher_kl": kl}
 plugin = trainer.accelerator.state.deepspeed_plugin
 report["zero_stage"] = None if plugin is None else plugin.zero_stage
@@ -105,7 +105,7 @@ trainer = OnPolicyDistillTrainer(
     state_logging=False,
 )
 trainer.train()
-kl = [entry["teacher_kl"] for entry in trainer.state.log_history if "teacher_kl" in entry]
+kl = [entry["teacher_kl/sampled"] for entry in trainer.state.log_history if "teacher_kl/sampled" in entry]
 report["full_base"] = {
     "global_step": trainer.state.global_step,
     "teacher_kl": kl,

@@ -59,7 +59,7 @@ trainer._generate_and_score_completions = keep_batch
 trainer.train()
 result = {
     "world_size": trainer.accelerator.num_processes,
-    "teacher_kl": [e["teacher_kl"] for e in trainer.state.log_history if "teacher_kl" in e],
+    "teacher_kl": [e["teacher_kl/sampled"] for e in trainer.state.log_history if "teacher_kl/sampled" in e],
     "batches": batches,
 }
 (output_dir / f"rank{trainer.accelerator.process_index}.json").write_text(json.dumps(result))

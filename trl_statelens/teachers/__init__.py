@@ -30,9 +30,9 @@ its own module:
 
 `loading.py` loads teachers given by path, hub id or LoRA folder, and reaches served ones.
 
-Every rank calls every method with its own rows, none included: an in-process teacher under ZeRO-3 gathers its
-parameters collectively, so each rank must join while any rank has rows (a served teacher is asked for a rank's own
-rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a router sends
+Every rank calls every method with its own rows, none included: under ZeRO-3 each call that reaches a model (a
+forward, a generation, an output layer) is collective, so each rank makes as many as the others, agreed through
+`collective.py` and padded with stand-ins (a served teacher is asked for a rank's own rows only). Every method takes prompts and completions apart, and each row is answered on its own: so a router sends
 each row to its own teacher, and a self teacher is handed its own prompts in place of the student's.
 """
 

@@ -10,6 +10,8 @@ import torch
 from transformers import PreTrainedModel
 from trl.trainer.utils import pad
 
+from ..heads import Divergence
+
 
 class TeacherRow(NamedTuple):
     """Row `index` of a batch the teacher scored, or is scoring: `scores` is answered (maybe later, from a background
@@ -140,10 +142,11 @@ class Teacher:
 
     def divergence_loss(
         self, student, student_hidden, batch: dict, loss_mask, normalizer, beta: float, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Divergence:
         """The `divergence` loss of a micro-batch (`batch`: its prompt and completion tensors, its `teacher_scores`
         rows from `score(..., distribution=True)`, and with a router each row's `teacher`) given the student's
         (unwrapped `student`) final hidden states `(B, T, H)` at its completion positions, summed over positions with
         `loss_mask != 0` and divided by `normalizer`; and the teacher's log-prob of each completion token `(B, T)`,
-        for the metrics."""
+        for the metrics and records (with the student's log-probs and entropies, when its pass gives them:
+        [`Divergence`])."""
         raise NotImplementedError

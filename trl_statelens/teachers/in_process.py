@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
-from trl.trainer.distillation_trainer import _chunked_divergence_loss
 from trl.trainer.utils import add_fused_lm_head, pad
 
 from ..callback import trainer_generation_config
-from ..heads import _completion_hidden_states, _head_logps, _logit_post_processing
+from ..collective import agreed_calls, agreed_chunks
+from ..heads import Divergence, _completion_hidden_states, divergence_and_token_logps
 from .base import RowScores, Teacher, answered, batch_rows, joined, left_padded
 from .vocabulary import check_same_vocabulary, vocab_size
 
@@ -32,8 +32,9 @@ class InProcessTeacher(Teacher):
     """A teacher model in the training processes, scored through `trainer`'s chunked LM-head path, generating with
     `trainer`'s sampling settings.
 
-    Every rank calls every method with its own rows, none included: under ZeRO-3 the model's parameters are gathered
-    collectively, so while any rank has rows, a rank without any joins on a stand-in row whose answer it drops.
+    Every rank calls every method with its own rows, none included: under ZeRO-3 each forward and generation gathers
+    the model's parameters collectively, so every rank makes as many as the others ([`agreed_calls`],
+    [`agreed_chunks`]), a rank with fewer rows making the rest on a stand-in row whose answer it drops.
 
     Args:
         trainer: the [`OnPolicyDistillTrainer`] it serves (its accelerator, forward path and sampling settings).
@@ -53,20 +54,14 @@ class InProcessTeacher(Teacher):
         """The model `generate` unwraps (gathering ZeRO-3 shards): the prepared teacher."""
         return self.model
 
-    def _any_rank_has(self, rows: list) -> bool:
-        accelerator = self.trainer.accelerator
-        if accelerator.num_processes == 1:
-            return bool(rows)
-        return accelerator.gather(torch.tensor([len(rows)], device=accelerator.device)).sum().item() > 0
-
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
-        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): while any rank has rows,
-        # every rank generates, a rank without any on a stand-in row whose continuation it drops.
+        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): one call on every rank
+        # while any rank has rows, a rank without any on a stand-in row whose continuation it drops.
         sequences = joined(prompts, prefixes)
-        if not self._any_rank_has(sequences):
-            return []
         trainer = self.trainer
+        if not agreed_calls(trainer.accelerator, min(len(sequences), 1)):
+            return []
         pad_id = trainer._tokenizer.pad_token_id
         device = trainer.accelerator.device
         input_ids, attention_mask = (t.to(device) for t in left_padded(sequences or [[pad_id]], pad_id))
@@ -97,13 +92,17 @@ class InProcessTeacher(Teacher):
     def score(self, prompts, completions, distribution=False, teachers=None):
         """Log-probs through the trainer's fused LM head, in chunks of the per-device batch size (as GRPO scores its
         reference model), on the rows padded as GRPO pads a batch; the full distribution is not fetched ahead:
-        `divergence_loss` projects it within the loss's forward. A rank without rows (a router sent them all to
-        other teachers) scores a stand-in row while any rank has some: the forward is collective under ZeRO-3."""
+        `divergence_loss` projects it within the loss's forward. Each chunk is a forward, collective under ZeRO-3:
+        every rank runs as many as the rank with the most rows of this teacher (a router splits rows unevenly), the
+        ones past its own rows on a stand-in row whose answer it drops."""
         if distribution:
             return None
-        if not self._any_rank_has(prompts):
-            return []
         trainer = self.trainer
+        args = trainer.args
+        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+        chunks = agreed_chunks(trainer.accelerator, len(prompts), batch_size)
+        if not chunks:
+            return []
         pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
         num_rows = len(prompts)
         prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
@@ -116,22 +115,28 @@ class InProcessTeacher(Teacher):
         completion_mask = pad(masks, padding_value=0, pad_to_multiple_of=multiple)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
-        args = trainer.args
-        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
-        )
+        logps = []
+        for rows in chunks:
+            if rows.start >= input_ids.size(0):  # a stand-in chunk: the first row again
+                rows = slice(0, 1)
+            chunk_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                self.model, input_ids[rows], attention_mask[rows], completion_ids.size(1), batch_size=batch_size
+            )
+            logps.append(chunk_logps)
+        logps = torch.cat(logps)  # this rank's rows first, then any stand-ins
         scores = [RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows]
         return batch_rows(answered(scores), len(scores))
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """TRL's exact generalised JSD over the full vocabulary, in chunks (`_chunked_divergence_loss`, which gathers
-        ZeRO-3-sharded heads itself), from the teacher's hidden states of the same tokens. A rank without rows joins
-        the collectives on a stand-in row that supervises nothing while any rank has some."""
+        """TRL's exact generalised JSD over the full vocabulary, in chunks (its divergence kernel, as
+        `DistillationTrainer` runs it; ZeRO-3-sharded heads gathered once each way), from the teacher's hidden states
+        of the same tokens, with the per-token log-probs and entropies from the same pass
+        ([`divergence_and_token_logps`]): one call on every rank while any rank has rows, a rank without rows on a
+        stand-in row that supervises nothing."""
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
-        if not self._any_rank_has(range(num_rows)):
-            return student_hidden.sum() * 0.0, no_logps
+        if not agreed_calls(self.trainer.accelerator, min(num_rows, 1)):
+            return Divergence(student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
         if num_rows == 0:
             batch, student_hidden, loss_mask = _stand_in_row(
                 batch, student_hidden, self.trainer._tokenizer.pad_token_id
@@ -145,31 +150,23 @@ class InProcessTeacher(Teacher):
             teacher_hidden = trainer._forward_redirection(
                 self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
             )
-        student_head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
-        (student_scale, student_softcap), (teacher_scale, teacher_softcap) = map(
-            _logit_post_processing, (student, teacher)
-        )
-        loss, _, _ = _chunked_divergence_loss(
+        # The loss and the records' per-token values (both models' token log-probs, the student's entropy) in one
+        # pass over the vocabulary
+        out = divergence_and_token_logps(
+            student,
             student_hidden,
+            teacher,
             teacher_hidden,
-            student_head.weight,
-            teacher_head.weight,
+            batch["completion_ids"],
             loss_mask,
-            beta=beta,
-            num_items_in_batch=normalizer,
-            student_lm_head_bias=student_head.bias,
-            teacher_lm_head_bias=teacher_head.bias,
-            student_logit_scale=student_scale,
-            teacher_logit_scale=teacher_scale,
-            student_final_logit_softcapping=student_softcap,
-            teacher_final_logit_softcapping=teacher_softcap,
-            temperature=temperature,
+            batch["completion_mask"],
+            beta,
+            normalizer,
+            temperature,
         )
-        with torch.no_grad():
-            teacher_logps, _ = _head_logps(teacher, teacher_hidden, batch["completion_ids"], temperature, False)
         if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
-            return loss + student_hidden.sum() * 0.0, no_logps
-        return loss, teacher_logps
+            return Divergence(out.loss + student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
+        return out
 
 
 def _first_eos(rows: list[list[int]], eos_token_ids) -> list[list[int]]:

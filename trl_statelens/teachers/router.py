@@ -6,6 +6,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from ..heads import Divergence
 from .base import Teacher
 from .in_process import InProcessTeacher
 from .served import ServedTeacher
@@ -14,8 +15,8 @@ from .served import ServedTeacher
 class TeacherRouter(Teacher):
     """Several teachers, each row answered by the one its `teacher_id` names (rows without one, or with `None`, by
     `default`): every method splits the rows by teacher, asks each teacher for its own, and puts the answers back in
-    row order. Every teacher is asked on every rank, with or without rows of its own there (an in-process teacher's
-    calls are collective under ZeRO-3, and it joins them on a stand-in row when it has none).
+    row order. Every teacher is asked on every rank, with or without rows of its own there (its model calls are
+    collective under ZeRO-3: it makes as many as on the other ranks, on stand-ins where it has fewer rows).
 
     Args:
         teachers (`dict[str, Teacher]`): the teachers by name, in-process and served mixed.
@@ -78,9 +79,13 @@ class TeacherRouter(Teacher):
         return None if all(row is None for row in scored) else scored
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """The sum of each teacher's loss on its rows (each already divided by the whole `normalizer`)."""
+        """The sum of each teacher's loss on its rows (each already divided by the whole `normalizer`); the student's
+        per-token values only when every teacher gave them."""
         total = student_hidden.sum() * 0.0
-        teacher_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        per_token = {
+            field: torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            for field in ("teacher_logps", "logps", "entropies")
+        }
         for name, rows in self._rows_by_teacher(batch["teacher"], len(batch["teacher"])).items():
             index = torch.tensor(rows, dtype=torch.long, device=student_hidden.device)
             part = {
@@ -88,9 +93,13 @@ class TeacherRouter(Teacher):
             }
             scores = batch["teacher_scores"]
             part["teacher_scores"] = [scores[i] for i in rows] if scores is not None else None
-            loss, logps = self.teachers[name].divergence_loss(
+            answer = self.teachers[name].divergence_loss(
                 student, student_hidden[index], part, loss_mask[index], normalizer, beta, temperature
             )
-            total = total + loss
-            teacher_logps[index] = logps.to(teacher_logps.dtype)
-        return total, teacher_logps
+            total = total + answer.loss
+            for field, values in per_token.items():
+                if values is not None and getattr(answer, field) is not None:
+                    values[index] = getattr(answer, field).to(values.dtype)
+                else:
+                    per_token[field] = None
+        return Divergence(total, **per_token)

@@ -6,15 +6,17 @@ from contextlib import contextmanager
 
 import torch
 
-from ..heads import topk_tail_divergence
-from .base import RowScores, Teacher, answered, batch_rows, joined, resolve_rows
+from .. import heads
+from ..collective import agreed_chunks
+from ..heads import Divergence, topk_tail_divergence
+from .base import ResolvedScores, RowScores, Teacher, answered, batch_rows, joined, resolve_rows
 from .loading import connect_served_teacher
 from .server_client import BackgroundRequests
 
 
 class ServedTeacher(Teacher):
-    """A teacher behind a vLLM server, through [`TeacherServerClient`]; every rank asks for its own rows (no
-    collective; vLLM batches the ranks' concurrent requests itself).
+    """A teacher behind a vLLM server, through [`TeacherServerClient`]; every rank asks for its own rows (its requests
+    need no collective; vLLM batches the ranks' concurrent requests itself).
 
     Args:
         server ([`TeacherServerClient`]): the checked client.
@@ -22,13 +24,17 @@ class ServedTeacher(Teacher):
         eos_token_ids (`list[int]`): where a continuation ends.
         seed_generator (`torch.Generator`): draws one seed per continuation (vLLM would sample a request's identical
             prefixes alike).
+        accelerator: the trainer's, whose ranks agree on how often `divergence_loss` calls the student's output layer.
         overlap (`bool`): send scoring requests from a background thread during `session()`.
         top_k (`int`): the top log-probs per position that `score(..., distribution=True)` asks for.
     """
 
-    def __init__(self, server, sampling: dict, eos_token_ids, seed_generator, overlap: bool = True, top_k: int = 0):
+    def __init__(
+        self, server, sampling: dict, eos_token_ids, seed_generator, accelerator, overlap: bool = True, top_k: int = 0
+    ):
         self.server, self.sampling, self.eos_token_ids = server, sampling, eos_token_ids
         self.seed_generator, self.overlap, self.top_k = seed_generator, overlap, top_k
+        self.accelerator = accelerator
         self._requests = None
 
     @classmethod
@@ -42,7 +48,13 @@ class ServedTeacher(Teacher):
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         sampling = {name: getattr(trainer, name) for name in names}
         return cls(
-            server, sampling, trainer.eos_token_ids, trainer._source_generator, args.teacher_server_overlap, top_k
+            server,
+            sampling,
+            trainer.eos_token_ids,
+            trainer._source_generator,
+            trainer.accelerator,
+            args.teacher_server_overlap,
+            top_k,
         )
 
     @contextmanager
@@ -94,11 +106,19 @@ class ServedTeacher(Teacher):
         ]
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`])."""
-        if not batch["teacher_scores"]:  # a router sent this rank's rows to other teachers
-            return student_hidden.sum() * 0.0, torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
-        scores = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"])
+        """The generalised JSD on the teacher's top-k tokens plus a tail bucket ([`topk_tail_divergence`]). It calls
+        the student's output layer once per `heads.POSITION_CHUNK` supervised positions, a collective under ZeRO-3
+        (forward and backward): every rank makes as many calls as the rank with the most positions, the ones past its
+        own on empty chunks, and at least one, so that the layer is used on every rank (as DDP requires of an untied
+        head) even where a router sent this rank's rows to other teachers or every position is masked."""
+        chunks = agreed_chunks(self.accelerator, int((loss_mask != 0).sum()), heads.POSITION_CHUNK) or [slice(0, 0)]
+        if batch["teacher_scores"]:
+            scores = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"])
+        else:  # no rows of this teacher here
+            ids = torch.zeros((*batch["completion_ids"].shape, self.top_k), dtype=torch.long)
+            no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+            scores = ResolvedScores(no_logps, ids, torch.full(ids.shape, float("-inf")))
         loss = topk_tail_divergence(
-            student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature
+            student, student_hidden, scores.top_ids, scores.top_logps, loss_mask, beta, normalizer, temperature, chunks
         )
-        return loss, scores.logps
+        return Divergence(loss, scores.logps)  # the student's per-token values: the trainer projects them

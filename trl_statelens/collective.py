@@ -1,0 +1,42 @@
+"""How many model calls a teacher makes on each training process: the same number on all of them.
+
+Under DeepSpeed ZeRO-3 every forward of a partitioned model gathers each layer's shards from all processes, and so
+does every call of a partitioned output layer, forward and backward: collectives that each process must join, as
+many times as the others. A teacher's work per process is not the same everywhere: a [`TeacherRouter`] gives each
+process its own number of rows per teacher, the `teacher` state source and `continuation` draw rows per process,
+and a loss supervises a different number of positions on each. So every teacher call that reaches a model first
+agrees with the other processes on how many calls to make ([`agreed_calls`], [`agreed_chunks`]) and makes exactly
+that many: a process with less work of its own makes the rest on stand-ins (a one-row forward whose answer it
+drops, an empty chunk of positions).
+
+Where (in `teachers/`): `InProcessTeacher.generate` (one call while any process has rows), `InProcessTeacher.score`
+(chunks of the per-device batch size), `InProcessTeacher.divergence_loss` (one call while any process has rows), and
+`ServedTeacher.divergence_loss` (the student's output layer, per `heads.POSITION_CHUNK` supervised positions). A
+[`SelfTeacher`] scores, writes and computes its loss through the first three; a router asks each of its teachers on
+every process, rows or none. A served teacher's scoring and writing are requests to its server, no collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gather_counts(accelerator, count: int) -> list[int]:
+    """Every process's `count`, in process order: one all-gather, none in a single process."""
+    if accelerator.num_processes == 1:
+        return [count]
+    return accelerator.gather(torch.tensor([count], device=accelerator.device)).tolist()
+
+
+def agreed_calls(accelerator, count: int) -> int:
+    """The number of calls every process makes: the most that any process needs (`count`, this process's own)."""
+    return max(gather_counts(accelerator, count))
+
+
+def agreed_chunks(accelerator, num_items: int, chunk_size: int) -> list[slice]:
+    """`num_items` in slices of `chunk_size`, as many slices as the process with the most chunks has: the slices
+    past this process's own items are empty, where the caller makes its stand-in calls."""
+    calls = agreed_calls(accelerator, math.ceil(num_items / chunk_size))
+    return [slice(start, start + chunk_size) for start in range(0, calls * chunk_size, chunk_size)]
