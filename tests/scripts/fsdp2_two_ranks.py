@@ -318,8 +318,8 @@ def pieces(trainer) -> dict:
         "completion_mask": attention_mask[:, 5:],
     }
     hidden = torch.randn(2, 4, reference.config.hidden_size, generator=generator)
-    loss, teacher_logps = sharded.divergence_loss(reference, hidden, batch, loss_mask, 8.0, 0.5, 1.0)
-    expected, expected_teacher_logps = whole.divergence_loss(reference, hidden, batch, loss_mask, 8.0, 0.5, 1.0)
+    loss, teacher_logps, *_ = sharded.divergence_loss(reference, hidden, batch, loss_mask, 8.0, 0.5, 1.0)
+    expected, expected_teacher_logps, *_ = whole.divergence_loss(reference, hidden, batch, loss_mask, 8.0, 0.5, 1.0)
     rows = ([[5, 6, 7], [8, 9]], [[10, 11, 12], [13]])
     scores = [row.scores.result()[row.index].logps for row in sharded.score(*rows)]
     expected_scores = [row.scores.result()[row.index].logps for row in whole.score(*rows)]
