@@ -34,6 +34,7 @@ SLOWEST_FILES_FIRST = (
     "test_real_model.py",
     "test_multiprocess.py",
     "test_recipes.py",
+    "test_fsdp2.py",
     "test_study_lab.py",
     "test_resume.py",
     "test_served_teacher.py",

@@ -29,31 +29,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_zero3(script: str, *args, timeout: int, hang: str, launch_args: tuple[str, ...] = ()) -> None:
-    """`accelerate launch` two ZeRO-3 ranks of `tests/scripts/<script>` with `args` (and `launch_args` for the
-    launcher), asserting that it exits 0. A run still going after `timeout` s fails with `hang`, as a deadlock of the
-    ranks' collectives would: the launcher is stopped with SIGTERM, on which torch's elastic agent ends the ranks (it
-    starts each in a session of its own, which a kill of the launcher's group would leave running), then killed."""
+def launch_zero3(
+    script: str, *args, timeout: int, hang: str, stage: int = 3, mixed_precision: str = "no",
+    launch_args: tuple[str, ...] = (),
+) -> None:  # fmt: skip
+    """`accelerate launch` two ZeRO-3 (or `stage`) ranks of `tests/scripts/<script>` with `args` (and `launch_args`
+    for the launcher; see `launch`)."""
     accelerate = Path(sys.executable).parent / "accelerate"
-    config = Path(__file__).parents[1] / "recipes" / "accelerate" / "zero3.yaml"
+    config = Path(__file__).parents[1] / "recipes" / "accelerate" / f"zero{stage}.yaml"
     command = [
         str(accelerate), "launch", "--config_file", str(config), "--num_processes", "2",
-        "--main_process_port", str(free_port()), *launch_args, str(SCRIPT.parent / script), *map(str, args),
+        "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), *launch_args,
+        str(SCRIPT.parent / script), *map(str, args),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
+    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=timeout, hang=hang)
+
+
+def launch(command: list[str], env: dict, timeout: int, hang: str) -> None:
+    """Run a multi-process `command` (one thread per rank, `env` added), asserting that it exits 0. A run still going
+    after `timeout` s fails with `hang`, as a deadlock of the ranks' collectives would: the launcher is stopped with
+    SIGTERM, on which torch's elastic agent ends the ranks (it starts each in a session of its own, which a kill of
+    the launcher's group would leave running), then killed whole after 60 s."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
     try:
-        _, stderr = launch.communicate(timeout=timeout)
+        _, stderr = run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGTERM)
+        os.killpg(run.pid, signal.SIGTERM)
         try:
-            _, stderr = launch.communicate(timeout=60)
+            _, stderr = run.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(launch.pid, signal.SIGKILL)
-            _, stderr = launch.communicate()
+            os.killpg(run.pid, signal.SIGKILL)
+            _, stderr = run.communicate()
         pytest.fail(f"{hang}: {stderr[-2000:]}")
-    assert launch.returncode == 0, stderr[-4000:]
+    assert run.returncode == 0, stderr[-4000:]
 
 
 @pytest.mark.multiproc
@@ -302,3 +312,36 @@ def test_zero3_self_teachers_train_with_and_without_a_copy(tmp_path, student_pat
         assert ema["resumed_diff"] < 1e-6  # resumed from the saved average, not from the path's weights
         assert "Pass the student as a path" in rank["instance_base"]
         assert "'ema' with a PEFT student under DeepSpeed ZeRO-3" in rank["lora_ema"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_ema_self_teacher_averages_in_fp32_under_deepspeed(tmp_path, student_path, stage):
+    """DeepSpeed with bf16 casts the student and the teacher's copy to bf16 after the average was made. ZeRO-2: a LoRA
+    student's "ema" trains past step 1 (it crashed there: fp32 average, bf16 adapter) with its average still fp32 and
+    following the rule exactly. ZeRO-2 and ZeRO-3: a full-weight student's "ema" keeps an fp32 average (each rank its
+    own partitions under ZeRO-3) that follows the rule exactly from the bf16 student's weights, saved whole in fp32,
+    with the bf16 teacher its cast, also after the step at which ZeRO-3 keeps small parameters gathered; under
+    ZeRO-3 a resumed run continues the saved average exactly."""
+    launch_zero3(
+        "opd_bf16_ema.py", student_path, tmp_path, stage, stage=stage, mixed_precision="bf16", timeout=480,
+        hang=f"ZeRO-{stage} ranks did not finish in 480 s",
+    )  # fmt: skip
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert ranks[0] == ranks[1]
+    report = ranks[0]
+    assert (report["world_size"], report["zero_stage"], report["bf16"]) == (2, stage, True)
+    if stage == 2:
+        lora = report["lora_ema"]
+        assert lora["global_step"] == 2
+        assert lora["adapter_dtypes"] == ["torch.bfloat16"] and lora["average_dtypes"] == ["torch.float32"]
+        assert lora["moved"] > 0 and lora["update_rule_diff"] == 0.0
+    full = report["full_ema"]
+    assert full["global_step"] == 2
+    assert full["teacher_dtypes"] == ["torch.bfloat16"] and full["saved_dtypes"] == ["torch.float32"]
+    assert full["rule_diffs"] == [0.0, 0.0]  # the fp32 average follows the rule, step after step
+    assert full["teacher_cast_diff"] == 0.0  # the teacher computes with the average cast to bf16
+    assert full["moved"] > 0 and full["bf16_moved"] > 0
+    if stage == 3:
+        assert full["resumed_global_step"] == 2 and full["resumed_rule_diff"] == 0.0

@@ -1,11 +1,13 @@
 """The student as its own teacher behind a privileged prompt (`teacher_model_kind`, `SelfTeacher`)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from cpu_settings import CPU
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
@@ -274,6 +276,36 @@ def test_ema_teacher_survives_kill_and_resume_byte_for_byte(tmp_path, math_train
     assert b'"teacher_prompt"' in (out / "statelens" / "states.jsonl").read_bytes()
 
 
+def test_ema_teacher_of_bf16_weights_averages_in_fp32(tmp_path, math_trained_path, math_dataset):
+    """A bf16 student and copy: the average is kept in fp32 and cast into the bf16 teacher after each update, so 20
+    updates at rate 0.05 toward a student 1% away move the teacher 1 - 0.95^20 of the way, as the fp32 recurrence does
+    (averaged in bf16, each increment rounds away: it moved 0.0 of the way). The teacher's weights are that fp32
+    recurrence, cast to bf16."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_model_kind="ema", model_init_kwargs={"dtype": "bfloat16"}),
+        train_dataset=with_context(math_dataset),
+        state_logging=False,
+    )
+    teacher = dict(trainer.teacher.model.named_parameters())
+    assert {p.dtype for p in teacher.values()} == {torch.bfloat16}
+    start = {name: p.detach().float() for name, p in teacher.items()}
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.mul_(1.01)
+    target = {name: p.detach().float() for name, p in trainer.model.named_parameters()}
+    fp32 = {name: t.clone() for name, t in start.items()}
+    for _ in range(20):
+        trainer.teacher.weights.update_average(0.05)
+        for name, average in fp32.items():
+            average.lerp_(target[name], 0.05)
+    moved = sum(((teacher[n].float() - start[n]) * (target[n] - start[n])).sum() for n in teacher)
+    share = moved / sum(((target[n] - start[n]) ** 2).sum() for n in teacher)
+    assert share >= 0.9 * (1 - 0.95**20), share
+    for name, param in teacher.items():
+        assert param.dtype == torch.bfloat16 and param.equal(fp32[name].to(torch.bfloat16)), name
+
+
 # ----- live and PEFT: no copy ---------------------------------------------------------------------------------------
 def test_live_teacher_is_the_student_and_trains(tmp_path, math_trained_path, math_dataset):
     trainer = OnPolicyDistillTrainer(
@@ -371,6 +403,38 @@ def test_peft_ema_teacher_averages_the_adapter_and_scores_with_it(tmp_path, math
     assert not torch.allclose(scores, student, atol=1e-4)  # not the student's own adapter
 
 
+def test_peft_ema_average_stays_fp32_when_deepspeed_casts_the_adapter(tmp_path, math_trained_path, math_dataset):
+    """DeepSpeed with bf16 (ZeRO-1/2) casts every parameter in place after the average was made: the average stays
+    fp32 and moves by the rule (no dtype clash in `lerp_`); the teacher scores with it cast to the adapter's dtype, and
+    the student's own bf16 adapter is back after."""
+    trainer = lora_ema_trainer(tmp_path, math_trained_path, with_context(math_dataset))
+    with torch.no_grad():
+        for param in trainer.model.parameters():  # what deepspeed/runtime/engine.py does under bf16
+            param.data = param.data.to(torch.bfloat16)
+    trained = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for param in trained.values():  # the adapter moves away from the average
+            param.mul_(1.5)
+    average = trainer.teacher.weights.average
+    start = {name: t.clone() for name, t in average.items()}
+    trainer.teacher.weights.update_average(0.05)
+    for name, param in trained.items():
+        assert average[name].dtype == torch.float32
+        expected = torch.lerp(start[name], param.detach().float(), 0.05)
+        torch.testing.assert_close(average[name], expected, atol=0, rtol=0)
+        assert not average[name].equal(start[name])
+    tokenizer = trainer._tokenizer
+    prompt = tokenizer(math_dataset["prompt"][0])["input_ids"]
+    completion = tokenizer(math_dataset["completion"][0])["input_ids"]
+    own = {name: param.data_ptr() for name, param in trained.items()}
+    trainer.model.eval()
+    rows = trainer.teacher.score([prompt], [completion])
+    ids = torch.tensor([completion])
+    assert resolve_rows(rows, ids, torch.ones_like(ids)).logps.isfinite().all()
+    for name, param in trained.items():  # the student's own bf16 adapter is back
+        assert param.dtype == torch.bfloat16 and param.data_ptr() == own[name], name
+
+
 def test_peft_ema_teacher_resumes_from_its_checkpoint(tmp_path, math_trained_path, math_dataset):
     """Two steps straight, checkpointed after each; resumed from checkpoint-1 in another run: the same adapter average
     (and student) as the straight run's, exactly. Without the average in the checkpoint it would restart from the
@@ -419,3 +483,140 @@ def test_self_teacher_with_a_teacher_model_is_rejected(tmp_path, math_trained_pa
 def test_dataset_without_privileged_context_is_rejected_before_the_model_loads(tmp_path, math_dataset):
     with pytest.raises(ValueError, match=r"teacher_prompt_template='\{prompt\}.*in a 'privileged_context' column"):
         OnPolicyDistillTrainer(model=str(tmp_path / "no-model"), args=opd_config(tmp_path), train_dataset=math_dataset)
+
+
+def test_ema_teacher_under_fsdp_is_refused(tmp_path, monkeypatch):
+    """FSDP shards the student into DTensors, which the average (of a copy, or of an adapter swapped into the student)
+    cannot be combined with: refused when the trainer runs FSDP, a full-weight student's and a PEFT student's alike
+    (under accelerate's FSDP2 a LoRA "ema" silently taught as the live student), and when the parameters the average
+    is taken of are already sharded (`fully_shard` applied directly), before any copy is made. A full-weight student
+    already sharded is refused as one that cannot be copied, "base" as well."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+
+    def peft_model():
+        return get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"]))
+
+    args = opd_config(tmp_path, teacher_model_kind="ema")
+    for model in (torch.nn.Linear(4, 4), peft_model()):
+        plain = SimpleNamespace(args=args, model=model, is_fsdp_enabled=True)
+        with pytest.raises(ValueError, match="teacher_model_kind='ema' under FSDP"):
+            SelfTeacher(plain)
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        peft = fully_shard(peft_model(), mesh=mesh)
+        assert any(isinstance(p, DTensor) for p in peft.parameters() if p.requires_grad)
+        with pytest.raises(ValueError, match="teacher_model_kind='ema' under FSDP"):
+            SelfTeacher(SimpleNamespace(args=args, model=peft, is_fsdp_enabled=False))
+        full = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        for kind in ("base", "ema"):
+            sharded = SimpleNamespace(args=opd_config(tmp_path, teacher_model_kind=kind), model=full)
+            with pytest.raises(
+                ValueError, match=f"teacher_model_kind='{kind}' with a student already sharded by FSDP2"
+            ):
+                SelfTeacher(sharded)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "zero", [{"zero_hpz_partition_size": 2}, {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}]
+)
+def test_ema_teacher_under_zero3_with_partitions_kept_elsewhere_is_refused(zero):
+    """Under ZeRO-3 the average is written into each process's partitions of the teacher: hpZ keeps a second copy of
+    a frozen model's partitions, NVMe offload swaps them out; refused, naming the setting."""
+    from trl_statelens.teachers.self_teacher_weights import _refuse_unaligned_partitions
+
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3, **zero}})
+    with pytest.raises(ValueError, match="hpZ .* or NVMe parameter offload is not supported"):
+        _refuse_unaligned_partitions(plugin)
+    _refuse_unaligned_partitions(SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}}))
+
+
+# ----- a teacher that shares the student leaves its training settings alone -----------------------------------------
+def test_teacher_generation_keeps_the_students_gradient_checkpointing_kwargs(
+    tmp_path, math_trained_path, math_dataset
+):
+    """TRL turns the student's gradient checkpointing off to generate and on again after with the kwargs it is given;
+    a live teacher generating (`continuation`) passes the run's, so `use_reentrant=True` (which TRL forces for PEFT
+    under ZeRO-3) survives the step instead of coming back as transformers' default (False)."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(
+            tmp_path,
+            teacher_model_kind="live",
+            signal="continuation",
+            continuation_length=4,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": True},
+        ),  # fmt: skip
+        train_dataset=with_context(math_dataset),
+        state_logging=False,
+    )
+    asked = []
+    generate = trainer.teacher.generate
+    trainer.teacher.generate = lambda *a, **k: asked.append(a) or generate(*a, **k)
+    trainer.train()
+    assert asked  # the teacher generated
+    layer = trainer.model.model.layers[0]
+    assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords["use_reentrant"] is True
+
+
+def test_copied_teacher_under_cast_lm_head_to_fp32_computes_with_its_own_head(
+    tmp_path, math_trained_path, math_dataset
+):
+    """GRPO's `cast_lm_head_to_fp32` gives the student's head a forward that reads the student's head weight; the
+    `"base"` copy must compute with its own: the student's head changes, the teacher's log-probs do not."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, cast_lm_head_to_fp32=True),
+        train_dataset=with_context(math_dataset),
+        state_logging=False,
+    )
+    tokenizer = trainer._tokenizer
+    prompt = tokenizer(math_dataset["prompt"][0])["input_ids"]
+    completion = tokenizer(math_dataset["completion"][0])["input_ids"]
+    ids = torch.tensor([completion])
+    trainer.model.eval()
+
+    def teacher_logps():
+        rows = trainer.teacher.score([prompt], [completion])
+        return resolve_rows(rows, ids, torch.ones_like(ids)).logps
+
+    def teacher_logits():
+        with torch.no_grad():
+            return trainer.teacher.model(input_ids=torch.tensor([prompt + completion])).logits
+
+    before, logits = teacher_logps(), teacher_logits()
+    with torch.no_grad():
+        trainer.model.get_output_embeddings().weight.add_(1.0)
+    torch.testing.assert_close(teacher_logps(), before, atol=0, rtol=0)
+    torch.testing.assert_close(teacher_logits(), logits, atol=0, rtol=0)  # what the teacher's `generate` runs
+
+
+def test_peft_model_student_with_a_trained_adapter_warns_that_base_drops_it(
+    tmp_path, math_trained_path, math_dataset, caplog
+):
+    """As TRL's SDFT: a student given as a PEFT model already carries an adapter, and `"base"` is its base model with
+    that adapter disabled, not the student's weights at the start. A student whose adapter the trainer adds (from
+    `peft_config`) starts as its base: no warning."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    student = get_peft_model(AutoModelForCausalLM.from_pretrained(math_trained_path), lora)
+    with caplog.at_level("WARNING"):
+        OnPolicyDistillTrainer(
+            model=student, args=opd_config(tmp_path), train_dataset=with_context(math_dataset), state_logging=False
+        )
+    assert "base model with the adapter disabled" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path), args=opd_config(tmp_path), train_dataset=with_context(math_dataset),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), state_logging=False,
+        )  # fmt: skip
+    assert "adapter disabled" not in caplog.text

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from trl.kernels.chunked_logprob import _use_triton
@@ -150,6 +151,18 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 raise ValueError(
                     f"teacher_model_kind={args.teacher_model_kind!r} makes the student its own teacher, so "
                     "teacher_model must be omitted; unset teacher_model_kind to distil from a separate teacher"
+                )
+            if (
+                args.teacher_model_kind == "base"
+                and peft_config is None
+                and not isinstance(model, str)
+                and is_peft_model(model)
+            ):
+                logger.warning(  # as TRL's SDFTTrainer warns
+                    "The student is a PEFT model that already carries an adapter: teacher_model_kind='base' is its "
+                    "base model with the adapter disabled, not the student's weights at the start (adapter included). "
+                    "For a teacher that is the student as given, merge the adapter into the model first "
+                    "(merge_and_unload) and pass a peft_config for a new one"
                 )
         elif isinstance(teacher_model, dict):
             if args.teacher_model_server_url is not None:

@@ -75,8 +75,13 @@ class InProcessTeacher(Teacher):
         student_vocab, teacher_vocab = map(vocab_size, (trainer.model, self.model))
         if teacher_vocab > student_vocab:
             generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
+        # A teacher that shares the student turns its gradient checkpointing back on after generating: with the run's
+        # kwargs, as GRPO's own generation does (TRL forces `use_reentrant=True` for PEFT under ZeRO-3)
         with unwrap_model_for_generation(
-            self.generation_model, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
+            self.generation_model,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as teacher:
             out = teacher.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config

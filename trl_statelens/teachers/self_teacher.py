@@ -16,6 +16,8 @@ from .self_teacher_weights import (
     MovingAverage,
     SharedStudent,
     TeacherWeights,
+    refuse_average_under_fsdp,
+    refuse_copying_sharded,
 )
 
 
@@ -39,9 +41,14 @@ class SelfTeacher(InProcessTeacher):
     - `"ema"`: a frozen copy moved toward the student after every optimizer step by `args.teacher_update_rate`,
       written into each checkpoint and read back on resume ([`AveragedCopy`]); for a PEFT student, an average of its
       trained (adapter) parameters only, swapped into the student module for the teacher's calls ([`AdapterAverage`]).
+      The average is kept in fp32 whatever the weights' dtype, and cast into the teacher's weights (or, for each call,
+      the adapter's dtype).
 
     Under DeepSpeed ZeRO-3 a copy is loaded again from the student's path (a student given as a model instance is
-    refused there), and a PEFT student's `"ema"` is refused.
+    refused there), and each process averages its own partitions; a PEFT student's `"ema"` is refused there, and
+    `"ema"` of either kind under accelerate's FSDP (the student's parameters become DTensor shards). A full-weight
+    student that FSDP2 has already sharded when the trainer is made (`from_pretrained(distributed_config=...)`,
+    `fully_shard`) cannot be copied: `"base"` and `"ema"` are refused there.
 
     Args:
         trainer: the [`OnPolicyDistillTrainer`] whose student teaches itself.
@@ -117,7 +124,12 @@ class SelfTeacher(InProcessTeacher):
 def _weights(kind: str, trainer, student_path: str | None) -> TeacherWeights:
     """The weights of a self teacher of `kind` (see [`SelfTeacher`]): a PEFT student's, and the live student's, are
     the student module's own; a full-weight student's `"base"` and `"ema"` are a copy."""
-    if kind == "live" or is_peft_model(trainer.model):
+    shared = kind == "live" or is_peft_model(trainer.model)
+    if not shared:
+        refuse_copying_sharded(trainer.model, kind)
+    if kind == "ema":
+        refuse_average_under_fsdp(trainer)
+    if shared:
         if kind == "ema":
             return AdapterAverage(trainer)
         return SharedStudent(trainer, adapter_off=kind == "base")

@@ -7,18 +7,24 @@
 - [`AdapterAverage`]: a PEFT student's `"ema"`, an average of its trained (adapter) parameters only, swapped into the
   student module for the teacher's calls (the base is shared and frozen).
 
-The two averages keep their update, save and load in `update_average`, `save` and `load`.
+The two averages keep their update, save and load in `update_average`, `save` and `load`. Each is kept in fp32
+whatever the weights' dtype, and cast into the teacher's (16-bit) weights after each update, or into the adapter's
+dtype for each call: a 16-bit average rounds each small step away (20 updates at rate 0.05 toward a student 1% away
+move a bf16 average not at all). Neither can be combined with FSDP's DTensor shards: `"ema"` is refused under FSDP.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainerCallback
 from trl.trainer.utils import create_model_from_path
 
@@ -83,32 +89,35 @@ class AdapterAverage(SharedStudent):
         super().__init__(trainer)
         # The base is frozen, so it is the same for student and teacher and is not copied
         self._trained = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        self.average = {name: p.detach().clone() for name, p in self._trained}  # name -> averaged tensor
+        # name -> fp32 averaged tensor: DeepSpeed with bf16/fp16 casts the adapter in place when it prepares the
+        # student, after this
+        self.average = {name: p.detach().to(torch.float32, copy=True) for name, p in self._trained}
 
     @contextmanager
     def applied(self):
         """The averaged adapter in the student's parameters for the duration, the student's own back after.
 
-        The tensors are exchanged (`param.data` re-pointed, nothing copied, so no second adapter copy is made) rather
-        than written in place: in the `divergence` loss the teacher runs while the student's graph is alive, and an
-        in-place write would bump the parameters' version counters and fail its backward. The student's values are
-        back before that backward runs."""
-        average = self.average
-        with torch.no_grad():
-            for name, param in self._trained:
-                param.data, average[name] = average[name], param.data
+        `param.data` is re-pointed at the average (itself when the adapter is fp32; cast to the adapter's dtype and
+        device when DeepSpeed holds it in 16 bits or moved it) rather than written in place: in the `divergence` loss
+        the teacher runs while the student's graph is alive, and an in-place write would bump the parameters' version
+        counters and fail its backward. The student's tensors are back before that backward runs."""
+        own = {name: param.data for name, param in self._trained}
+        for name, param in self._trained:
+            param.data = self.average[name].to(param.device, param.dtype)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, param in self._trained:
-                    param.data, average[name] = average[name], param.data
+            for name, param in self._trained:
+                param.data = own[name]
 
     @torch.no_grad()
     def update_average(self, rate: float) -> None:
-        """`average <- (1 - rate) * average + rate * adapter`, after an optimizer step (every process holds its own)."""
+        """`average <- (1 - rate) * average + rate * adapter` in fp32, after an optimizer step (every process holds its
+        own)."""
         for name, param in self._trained:
-            self.average[name].lerp_(param.detach(), rate)
+            # On the adapter's device: DeepSpeed moves the student there after the average was made
+            average = self.average[name] = self.average[name].to(param.device)
+            average.lerp_(param.detach().to(average.dtype), rate)
 
     def save(self, output_dir):
         if self.trainer.args.should_save:  # every process holds the same average: one writes it
@@ -130,74 +139,88 @@ class CopiedWeights(TeacherWeights):
 
     def __init__(self, trainer, student_path: str | None):
         self.trainer, self.zero3 = trainer, _zero3(trainer)
-        if self.zero3:
-            if student_path is None:
-                raise ValueError(
-                    f"teacher_model_kind={trainer.args.teacher_model_kind!r} under DeepSpeed ZeRO-3 with a student "
-                    "given as a model instance: the student is already partitioned across processes, so the "
-                    "teacher's copy is loaded again from the student's path, and an instance has none. Pass the "
-                    "student as a path or hub id (model='path/to/model'), or use teacher_model_kind='live' (no copy)"
-                )
-            teacher = _load_like_student(student_path, trainer.args)
-        else:
-            teacher = copy.deepcopy(trainer.model)
-            # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward:
-            # the copy would call the student's. Drop it; `prepare_teacher_model` adds the head to the copy itself.
-            teacher.__dict__.pop("forward", None)
-        self.model = prepare_teacher_model(trainer, teacher)
+        self.model = prepare_teacher_model(trainer, _student_copy(trainer, student_path))
 
 
 class AveragedCopy(CopiedWeights):
-    """The copy of [`CopiedWeights`], moved toward the student after every optimizer step (`"ema"`); under ZeRO-3 the
-    average is taken on gathered parameters, one pair at a time."""
+    """The copy of [`CopiedWeights`], moved toward the student after every optimizer step (`"ema"`). The average is
+    kept in fp32: a weight the teacher holds in 32 bits is its own average; one it holds in 16 bits has an fp32
+    master here, cast into it after each update.
+
+    Under ZeRO-3 each process keeps the fp32 average of its own partition of each parameter, updated from the
+    student's partition of the same parameter (ZeRO-3 lays the two out alike): nothing is gathered, and each process
+    holds its share of one fp32 copy of the model. Refused with hpZ or NVMe parameter offload, which keep the
+    teacher's partitions elsewhere."""
+
+    def __init__(self, trainer, student_path: str | None):
+        self.trainer, self.zero3 = trainer, _zero3(trainer)
+        if self.zero3:
+            _refuse_unaligned_partitions(trainer.accelerator.state.deepspeed_plugin)
+        teacher = _student_copy(trainer, student_path)
+        # The average's fp32 starting point, taken before the copy is prepared (DeepSpeed with bf16/fp16 casts every
+        # parameter in place then): the copy's own tensors where they already are fp32. Under ZeRO-3 the copy is
+        # loaded partitioned: each process starts from its partitions as loaded
+        start = {} if self.zero3 else {name: p.detach().float() for name, p in teacher.named_parameters()}
+        self.model = prepare_teacher_model(trainer, teacher)
+        self.master = {}  # name -> fp32 average of a weight the teacher holds in 16 bits (its ZeRO-3 partition)
+        for name, weight in self._named_parameters():
+            if weight.dtype in (torch.float16, torch.bfloat16):
+                local = _local(weight)
+                self.master[name] = start.get(name, local).to(local.device, torch.float32)
 
     @torch.no_grad()
     def update_average(self, rate: float) -> None:
-        """`teacher <- (1 - rate) * teacher + rate * student`, after an optimizer step (on every process: each holds
-        its own copy, or its partitions of it under ZeRO-3)."""
-        student = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        # The copy holds the student's parameters in the same order (tied ones once)
-        pairs = zip(self._named_parameters(), student.named_parameters(), strict=True)
-        for (name, averaged), (student_name, current) in pairs:
-            assert name == student_name, (name, student_name)
-            # Under ZeRO-3, one pair of parameters gathered at a time (never two whole models on a process); the
-            # main process's result is broadcast back into every process's partition of the teacher
-            with self._gathered(current), self._gathered(averaged, modifier_rank=0):
-                if not self.zero3 or self.trainer.accelerator.is_main_process:
-                    averaged.lerp_(current.detach().to(averaged.dtype), rate)
+        """`average <- (1 - rate) * average + rate * student` in fp32, after an optimizer step (on every process: each
+        holds its own copy, or under ZeRO-3 its partitions of it, updated from the student's partitions of the same
+        parameters), then cast into the teacher's weights."""
+        # The copy holds the student's parameters under the same names (tied ones once)
+        student = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
+        for name, weight, average in self._averages():
+            average.lerp_(_local(student[name]).detach().to(average.dtype), rate)
+            self._cast_into(weight, average)
 
     def save(self, output_dir):
+        """The fp32 average, whole (so a resumed run continues it exactly)."""
         should_save = self.trainer.args.should_save  # every process holds the same average: one writes it
         weights = {}
-        for name, param in self._named_parameters():
-            with self._gathered(param):  # collective under ZeRO-3: every process joins, one keeps the whole tensor
-                if should_save:
-                    weights[name] = param.detach().to("cpu", copy=True).contiguous()
+        for name, weight, average in self._averages():
+            if self.zero3:  # the processes' partitions, gathered (a collective: every process joins)
+                average = self.trainer.accelerator.gather(average)[: weight.ds_numel].view(weight.ds_shape)
+            if should_save:
+                weights[name] = average.detach().to("cpu", copy=True).contiguous()
         if should_save:
             save_file(weights, str(Path(output_dir) / EMA_FILE))
 
     def load(self, checkpoint):
-        path = _saved_average(checkpoint)
-        # Under ZeRO-3 the main process reads each tensor into the gathered parameter and it is broadcast into every
-        # process's partition; otherwise each process reads it into its own copy
-        reads = not self.zero3 or self.trainer.accelerator.is_main_process
-        saved = safe_open(str(path), framework="pt") if reads else nullcontext()
-        with saved as tensors, torch.no_grad():
-            for name, param in self._named_parameters():
-                with self._gathered(param, modifier_rank=0):
-                    if reads:
-                        param.copy_(tensors.get_tensor(name))
+        # Each process reads the average into its own (under ZeRO-3, its partition of each tensor), then the weights
+        with safe_open(str(_saved_average(checkpoint)), framework="pt") as tensors, torch.no_grad():
+            for name, weight, average in self._averages():
+                saved = tensors.get_tensor(name)
+                if self.zero3:
+                    saved = _partition(saved, average.numel(), self.trainer.accelerator.process_index)
+                average.copy_(saved)
+                self._cast_into(weight, average)
 
     def _named_parameters(self):
         return list(self.trainer.accelerator.unwrap_model(self.model).named_parameters())
 
-    def _gathered(self, param, modifier_rank=None):
-        """`param` whole on every process for the duration under ZeRO-3 (a collective); nothing otherwise."""
-        if not self.zero3:
-            return nullcontext()
-        import deepspeed
+    def _averages(self):
+        """`(name, weight, average)` for each teacher parameter: its fp32 average (of this process's partition under
+        ZeRO-3), the parameter's own (partition) where it is fp32."""
+        return [(name, weight, self.master.get(name, _local(weight))) for name, weight in self._named_parameters()]
 
-        return deepspeed.zero.GatheredParameters([param], modifier_rank=modifier_rank)
+    def _cast_into(self, weight, average) -> None:
+        """`average` into the teacher's `weight` (this process's partition of it under ZeRO-3), in its dtype."""
+        local = _local(weight)
+        if average is not local:
+            local.copy_(average)
+        if self.zero3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            # A small parameter stays gathered between forwards (ZeRO-3's persistence threshold): drop the whole copy
+            # of the old values, so the next forward gathers the new partitions
+            if weight.ds_status == ZeroParamStatus.AVAILABLE:
+                weight.partition()
 
 
 class MovingAverage(TrainerCallback):
@@ -212,6 +235,93 @@ class MovingAverage(TrainerCallback):
 
 def _zero3(trainer) -> bool:
     return trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+def refuse_average_under_fsdp(trainer) -> None:
+    """`"ema"` (of a copy, or of a PEFT student's adapter) under FSDP, refused before anything is copied. accelerate's
+    FSDP shards the student in `train()`, after the average is made: a copy's average would meet the student's
+    DTensor shards (a crash after the first step), and the adapter tensors an adapter average swaps in are replaced by
+    new DTensor parameters (it would silently teach as the live student). A student whose trained parameters are
+    already DTensors (`fully_shard`) likewise; a LoRA adapter on a base sharded at load is plain tensors, and is
+    averaged as under DDP."""
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    if trainer.is_fsdp_enabled or any(isinstance(p, DTensor) for p in trained):
+        raise ValueError(
+            "teacher_model_kind='ema' under FSDP is not supported: FSDP shards the student's parameters into "
+            "DTensors, and the average (of a copy made unsharded, or of the adapter swapped into the student) "
+            "cannot be combined with the shards. Use DDP or DeepSpeed (ZeRO-2 for a PEFT student) for an EMA "
+            "teacher"
+        )
+
+
+def refuse_copying_sharded(student, kind: str) -> None:
+    """A `"base"`/`"ema"` self teacher of a full-weight student is a copy of it, and FSDP2's modules refuse
+    `copy.deepcopy` (with a bare assertion): refuse a student whose parameters are already DTensors. accelerate's
+    FSDP2 shards the student later, in `train()`, after the copy is made."""
+    if any(isinstance(p, DTensor) for p in student.parameters()):
+        raise ValueError(
+            f"teacher_model_kind={kind!r} with a student already sharded by FSDP2 (its parameters are DTensors, as "
+            "`from_pretrained(distributed_config=...)` or `fully_shard` leave them): this teacher is a copy of the "
+            "student, and an FSDP2 module cannot be copied. Use teacher_model_kind='live' (the student itself, no "
+            "copy); a LoRA student (peft_config), whose 'base' teacher is its adapter disabled and whose 'ema' "
+            "averages its adapter (no copy); or, for 'base', the student given unsharded, which accelerate's FSDP2 "
+            "(recipes/accelerate/fsdp2.yaml) shards after the copy is made"
+        )
+
+
+def _student_copy(trainer, student_path: str | None) -> PreTrainedModel:
+    """A copy of the full-weight student, not yet prepared. Under DeepSpeed ZeRO-3 the student is partitioned before
+    this is made, so a deep copy would hold empty shards: the copy is loaded again from the student's path."""
+    if _zero3(trainer):
+        if student_path is None:
+            raise ValueError(
+                f"teacher_model_kind={trainer.args.teacher_model_kind!r} under DeepSpeed ZeRO-3 with a student given "
+                "as a model instance: the student is already partitioned across processes, so the teacher's copy is "
+                "loaded again from the student's path, and an instance has none. Pass the student as a path or hub "
+                "id (model='path/to/model'), or use teacher_model_kind='live' (no copy)"
+            )
+        return _load_like_student(student_path, trainer.args)
+    teacher = copy.deepcopy(trainer.model)
+    # GRPO patched the student's forward with its fused LM head, a closure over the student's own forward: the copy
+    # would call the student's. Drop it; `prepare_teacher_model` adds the head to the copy itself.
+    teacher.__dict__.pop("forward", None)
+    # Likewise `cast_lm_head_to_fp32` gave the student's head a forward reading the student's head weight (a deep copy
+    # keeps functions as they are): the copy's head projects in fp32 with its own weight
+    head = teacher.get_output_embeddings()
+    if "forward" in vars(head):
+        head.forward = partial(_fp32_projection, head)
+    return teacher
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The part of `param` this process holds: its ZeRO-3 partition (flat), or the parameter itself."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param
+
+
+def _partition(tensor: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """Process `rank`'s ZeRO-3 partition of `tensor`: its `size` elements of the flattened tensor, the last one padded
+    at the end (ZeRO-3 splits a parameter evenly across the processes)."""
+    part = tensor.flatten()[rank * size : (rank + 1) * size]
+    return torch.cat([part, part.new_zeros(size - part.numel())])
+
+
+def _refuse_unaligned_partitions(plugin) -> None:
+    """A full-weight EMA under ZeRO-3 is updated in each process's partitions of the student and the teacher: refuse
+    the settings that keep the teacher's partitions elsewhere."""
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    if zero.get("zero_hpz_partition_size", 1) > 1 or (zero.get("offload_param") or {}).get("device") == "nvme":
+        raise ValueError(
+            "teacher_model_kind='ema' under DeepSpeed ZeRO-3 with hpZ (zero_hpz_partition_size > 1) or NVMe parameter "
+            "offload is not supported: the average is written into each process's partition of the teacher, and hpZ "
+            "keeps a second copy of a frozen model's partitions that would not follow (NVMe offload swaps them out). "
+            "Turn these off, or use teacher_model_kind='base' or 'live'"
+        )
+
+
+def _fp32_projection(head, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`head`'s projection in fp32 (what GRPO's `cast_lm_head_to_fp32` makes an LM head compute)."""
+    bias = None if head.bias is None else head.bias.float()
+    return F.linear(hidden_states.float(), head.weight.float(), bias)
 
 
 def _saved_average(checkpoint: str) -> Path:
