@@ -641,7 +641,7 @@ def test_tool_mask_removes_tokens_from_the_loss(tmp_path, student_path, teacher_
     trainer = OnPolicyDistillTrainer(
         model=str(student_path),
         teacher_model=str(teacher_path),
-        args=opd_config(tmp_path, signal=signal, continuation_length=4),
+        args=opd_config(tmp_path, signal=signal, **({"continuation_length": 4} if signal == "continuation" else {})),
         train_dataset=math_dataset,
         state_logging=False,
     )

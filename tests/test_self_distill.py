@@ -57,7 +57,10 @@ def test_matching_modes_and_settings_are_mapped(tmp_path, signal, jsd_beta, mode
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"teacher_model_kind": None}, "separate teacher"),
+        (
+            {"teacher_model_kind": None, "teacher_prompt_template": "{prompt}\n\n{privileged_context}"},
+            "separate teacher",
+        ),
         ({"signal": "continuation"}, "continuation"),
         ({"state_source_mix": {"learner": 0.5, "dataset": 0.5}}, "state_source_mix"),
         ({"signal": "reverse_kl", "kl_discount": 0.5}, "kl_discount"),

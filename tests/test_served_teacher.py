@@ -278,7 +278,7 @@ def test_overlapped_scoring_gives_the_same_teacher_logps_and_loss(
                 teacher_model_server_url=teacher_server.url,
                 teacher_server_overlap=overlap,
                 signal=signal,
-                continuation_length=4,
+                **({"continuation_length": 4} if signal == "continuation" else {}),
                 max_steps=2,
                 gradient_accumulation_steps=2,  # two micro-batches per generation: shuffled and split with the batch
             ),
@@ -417,7 +417,10 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
     """The same batch scored by each teacher kind: equal teacher log-probs, and equal losses and gradients. With
     `divergence` the served teacher's top-k covers the whole vocabulary (k = V): its top-k plus tail estimator is then
     the exact full-vocabulary divergence the in-process teacher computes."""
-    kwargs = dict(signal=signal, jsd_beta=jsd_beta, continuation_length=4, teacher_top_k=len(tokenizer))
+    kwargs = dict(signal=signal, jsd_beta=jsd_beta) if signal == "divergence" else dict(signal=signal)
+    if signal == "continuation":
+        kwargs["continuation_length"] = 4
+    top_k = {"teacher_top_k": len(tokenizer)} if signal == "divergence" else {}  # read by a served teacher only
     local, served_ = (
         OnPolicyDistillTrainer(
             model=str(student_path),
@@ -428,7 +431,7 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
         )
         for name, teacher, server in (
             ("local", str(teacher_path), {}),
-            ("served", None, {"teacher_model_server_url": teacher_server.url}),
+            ("served", None, {"teacher_model_server_url": teacher_server.url, **top_k}),
         )
     )
     for trainer in (local, served_):

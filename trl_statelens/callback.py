@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,7 +40,8 @@ class StateLoggingCallback(TrainerCallback):
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
       against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`;
     - with a teacher in the trainer's process (`trainer.teacher_model`: [`OnPolicyDistillTrainer`], TRL's
-      `DistillationTrainer`), the same probe step also measures where the student still disagrees with it, whatever
+      `DistillationTrainer`; not a self teacher, ours or TRL's `SDFTTrainer`'s, which teaches from a privileged
+      prompt the probe prompts lack), the same probe step also measures where the student still disagrees with it, whatever
       the training signal: the exact per-token reverse KL $\mathrm{KL}(p_S \| p_T)$ over the whole vocabulary at
       every completion position, averaged over the probe completion tokens, as `statelens/drift/teacher_kl` on the
       student's current samples (its own states now), `teacher_kl_fixed` on the step-0 samples (fixed states:
@@ -324,6 +326,13 @@ class StateLoggingCallback(TrainerCallback):
 
     # ----- teacher disagreement on probe states ----------------------------------------------------------------
     def _has_teacher(self) -> bool:
+        """A teacher the probe prompts can be scored with. Not TRL's `SDFTTrainer`'s: its `teacher_model` is the
+        student or its copy, which teaches reading a privileged prompt that probe prompts do not have (scored on them
+        it would give 0 for a live or PEFT base teacher, `base_kl` reversed for a copy); the stock arm then logs no
+        probe `teacher_kl`, as ours with a self teacher."""
+        sdft = sys.modules.get("trl.experimental.sdft.sdft_trainer")  # imported only if the trainer is one
+        if sdft is not None and isinstance(self.trainer, sdft.SDFTTrainer):
+            return False
         return getattr(self.trainer, "teacher_model", None) is not None
 
     @torch.no_grad()
