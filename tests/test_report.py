@@ -389,3 +389,20 @@ def test_runs_with_several_teachers_get_a_row_and_curves_per_teacher(runs, tmp_p
     text = write_report([runs["opd"]], tmp_path / "single").read_text()
     assert "## Teachers" not in text
     assert "No plot 'Teacher KL and supervised tokens per teacher': no run has several teachers" in text
+
+
+def test_a_run_whose_flops_are_unknown_is_left_out_of_the_compute_plot_with_a_note(tmp_path):
+    """A served teacher's size is unknown: results.json counts no FLOPs (`None`), and the report says so instead of
+    drawing the student's share alone."""
+    from trl_statelens.report import compute_curve
+
+    compute = {"student_parameters": 100, "teacher_parameters": None, "flops_per_token": None,
+               "flops_per_supervised_token": None, "tokens": 50.0, "flops": None}  # fmt: skip
+    run_dir = write_run(
+        tmp_path / "served",
+        results={"recipe": "opd", "run_name": "served", "after": evaluation(0.5, 0.3, 0.4), "compute": compute},
+        log_history=[{"step": 1, "num_tokens": 50.0, "eval/gsm8k/accuracy": 0.45}],
+    )
+    run = load_run(run_dir)
+    assert compute_curve(run) is None
+    assert any("counts no FLOPs (a served teacher's size is unknown)" in note for note in run.notes)

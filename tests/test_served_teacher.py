@@ -191,8 +191,9 @@ def opd_config(tmp_path, **kwargs):
         num_generations=2,
         max_completion_length=16,
         learning_rate=1e-3,
-        teacher_server_retry_backoff=0.01,
     )
+    if kwargs.get("teacher_model_server_url"):  # quick retries against the test server (read by served teachers only)
+        defaults["teacher_server_retry_backoff"] = 0.01
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 
@@ -768,3 +769,20 @@ def test_two_ranks_score_their_own_rows_through_the_server(tmp_path, teacher_ser
             expected = expected.squeeze(-1) * b["completion_mask"]
             torch.testing.assert_close(b["teacher_logps"], expected, atol=1e-4, rtol=1e-4)
     assert len(ranks[0]["teacher_kl"]) == 2 and ranks[0]["teacher_kl"] == ranks[1]["teacher_kl"]  # gathered
+
+
+def test_a_served_teachers_unknown_size_leaves_the_flops_uncounted(
+    tmp_path, teacher_server, student_path, math_dataset
+):
+    """The training processes cannot know a served teacher's size: `compute` says `None` rather than 0."""
+    from trl_statelens.runs import compute_counts
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        args=opd_config(tmp_path, teacher_model_server_url=teacher_server.url),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    counts = compute_counts(trainer)
+    assert counts["student_parameters"] > 0
+    assert (counts["teacher_parameters"], counts["flops_per_token"], counts["flops"]) == (None, None, None)

@@ -424,7 +424,7 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "each given token toward the teacher's, a heuristic rather than a KL. For a divergence at those "
                 "states, use signal='divergence'",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of the config's __init__
             )
 
     def _check_self_teacher_settings(self):
