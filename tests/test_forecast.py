@@ -184,13 +184,13 @@ def test_param_distance_after_a_resume_is_measured_from_the_start_of_training(
     out = tmp_path / "resumed"
     stopped, _ = distance_at_4(out, StopAfter2())
     assert stopped.state.global_step == 2 and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
-    start = out / "forecast_start.safetensors"
-    assert json.loads((out / "checkpoint-2" / "forecast_start.json").read_text())["start"] == start.name
     with caplog.at_level(logging.WARNING, logger="trl_statelens.forecast"):
         resumed, resumed_last = distance_at_4(out, resume=str(out / "checkpoint-2"))
     assert resumed_last["step"] == 4
     assert resumed_last["param_distance"] == pytest.approx(straight_last["param_distance"], rel=1e-6)
     assert not [r for r in caplog.records if "resumed run" in r.getMessage()]
+    start = out / "forecast_start.safetensors"
+    assert json.loads((out / "checkpoint-2" / "forecast_start.json").read_text())["start"] == start.name
     assert (out / "checkpoint-4" / "forecast_start.json").read_text() == (
         out / "checkpoint-2" / "forecast_start.json"
     ).read_text()  # the same start file, written once
