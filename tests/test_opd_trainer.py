@@ -63,7 +63,13 @@ def test_short_run_moves_the_student_toward_the_teacher(
     trainer = OnPolicyDistillTrainer(
         model=str(request.getfixturevalue(student)),
         teacher_model=str(math_teacher_path),
-        args=opd_config(tmp_path, max_steps=30, signal=signal, continuation_length=8, learning_rate=learning_rate),
+        args=opd_config(
+            tmp_path,
+            max_steps=30,
+            signal=signal,
+            learning_rate=learning_rate,
+            **({"continuation_length": 8} if signal == "continuation" else {}),
+        ),
         train_dataset=math_dataset,
     )
     trainer.train()
