@@ -17,7 +17,7 @@ from trl_statelens import ForgettingForecast, StateLensSFTTrainer
 from trl_statelens.forecast import DEFAULT_CALIBRATION, forecast_line, load_calibration, time_point_steps
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "studies"))
 import forgetting_study as fs  # noqa: E402
 
 KEYS = [f"statelens/forecast/{name}" for name in ("param_distance", "forgetting", "forgetting_low",
