@@ -112,9 +112,8 @@ def run_arm(
             teacher_model=teacher_path,
             args=OnPolicyDistillConfig(
                 signal=arm,
-                jsd_beta=1.0,
                 num_generations=NUM_GENERATIONS,
-                continuation_length=CONTINUATION_TOKENS,
+                **({"continuation_length": CONTINUATION_TOKENS} if arm == "continuation" else {}),
                 **common,
             ),
             train_dataset=dataset,

@@ -265,9 +265,8 @@ def run_opd(mode, paths, tokenizer, world, common, steps: int) -> dict:
             args = OnPolicyDistillConfig(
                 output_dir,
                 signal=arm,
-                jsd_beta=1.0,
                 num_generations=size["num_generations"],
-                continuation_length=size["continuation_tokens"],
+                **({"continuation_length": size["continuation_tokens"]} if arm == "continuation" else {}),
                 **shared,
             )
             trainer = OnPolicyDistillTrainer(

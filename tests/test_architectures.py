@@ -202,7 +202,13 @@ def test_opd_signals_train_with_a_finite_loss(tmp_path, family_paths, math_datas
     trainer = OnPolicyDistillTrainer(
         model=family_paths["student"],
         teacher_model=family_paths["teacher"],
-        args=opd_config(tmp_path, max_steps=2, signal=signal, continuation_length=4, max_completion_length=8),
+        args=opd_config(
+            tmp_path,
+            max_steps=2,
+            signal=signal,
+            max_completion_length=8,
+            **({"continuation_length": 4} if signal == "continuation" else {}),
+        ),
         train_dataset=math_dataset,
     )
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -221,7 +227,12 @@ def test_opd_teacher_equal_to_student_says_nothing(tmp_path, family_paths, math_
         teacher_model=family_paths["student"],
         # GPT2's dropout would make the training student differ from the eval-mode teacher: TRL's switch turns it off
         args=opd_config(
-            tmp_path, max_steps=1, signal=signal, temperature=1.0, continuation_length=4, disable_dropout=True
+            tmp_path,
+            max_steps=1,
+            signal=signal,
+            temperature=1.0,
+            disable_dropout=True,
+            **({"continuation_length": 4} if signal == "continuation" else {}),
         ),
         train_dataset=math_dataset,
     )

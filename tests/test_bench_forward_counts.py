@@ -103,7 +103,7 @@ def test_opd_forwards_per_step(tmp_path, student_path, teacher_path, math_datase
     args = OnPolicyDistillConfig(
         str(tmp_path),
         signal=signal,
-        continuation_length=4,
+        **({"continuation_length": 4} if signal == "continuation" else {}),
         per_device_train_batch_size=4,
         num_generations=2,
         **FULL_LENGTH,

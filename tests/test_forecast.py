@@ -17,7 +17,7 @@ from trl_statelens import ForgettingForecast, StateLensSFTTrainer
 from trl_statelens.forecast import DEFAULT_CALIBRATION, forecast_line, load_calibration, time_point_steps
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "studies"))
 import forgetting_study as fs  # noqa: E402
 
 KEYS = [f"statelens/forecast/{name}" for name in ("param_distance", "forgetting", "forgetting_low",
@@ -156,3 +156,49 @@ def test_needs_the_trainer(tmp_path, student_path, tokenizer, math_dataset):
                          callbacks=[ForgettingForecast()])  # fmt: skip
     with pytest.raises(ValueError, match="needs the trainer"):
         trainer.train()
+
+
+def test_param_distance_after_a_resume_is_measured_from_the_start_of_training(
+    tmp_path, student_path, tokenizer, math_dataset, caplog
+):
+    """Four steps straight against two steps, a new trainer and callback (a new process would have nothing else),
+    and a resume from checkpoint-2 of the same output_dir: the same distance at step 4. theta_0 is written once
+    in output_dir; each checkpoint names it by its run."""
+
+    class StopAfter2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    def distance_at_4(out, *extra, resume=None):
+        args = SFTConfig(**{**CPU, "output_dir": str(out), "max_steps": 4, "per_device_train_batch_size": 4,
+                            "learning_rate": 1e-2, "max_length": 128, "save_strategy": "steps", "save_steps": 2})  # fmt: skip
+        trainer = StateLensSFTTrainer(model=str(student_path), args=args, train_dataset=math_dataset,
+                                      processing_class=tokenizer, callbacks=list(extra), state_logging=False)  # fmt: skip
+        forecast = ForgettingForecast(trainer, every_steps=1)
+        trainer.add_callback(forecast)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, forecast.last
+
+    straight, straight_last = distance_at_4(tmp_path / "straight")
+    assert straight_last["step"] == 4 and straight_last["param_distance"] > 0
+    out = tmp_path / "resumed"
+    stopped, _ = distance_at_4(out, StopAfter2())
+    assert stopped.state.global_step == 2 and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.forecast"):
+        resumed, resumed_last = distance_at_4(out, resume=str(out / "checkpoint-2"))
+    assert resumed_last["step"] == 4
+    assert resumed_last["param_distance"] == pytest.approx(straight_last["param_distance"], rel=1e-6)
+    assert not [r for r in caplog.records if "resumed run" in r.getMessage()]
+    start = out / "forecast_start.safetensors"
+    assert json.loads((out / "checkpoint-2" / "forecast_start.json").read_text())["start"] == start.name
+    assert (out / "checkpoint-4" / "forecast_start.json").read_text() == (
+        out / "checkpoint-2" / "forecast_start.json"
+    ).read_text()  # the same start file, written once
+
+    # A start file another run wrote over: measured from the resumed weights, with a warning
+    other, _ = distance_at_4(tmp_path / "other", StopAfter2())
+    start.write_bytes((tmp_path / "other" / "forecast_start.safetensors").read_bytes())
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.forecast"):
+        _, last = distance_at_4(out, resume=str(out / "checkpoint-2"))
+    assert last["param_distance"] < straight_last["param_distance"]
+    assert [r for r in caplog.records if "without its starting weights" in r.getMessage()]

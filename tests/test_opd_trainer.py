@@ -1,4 +1,7 @@
 import json
+import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -61,7 +64,13 @@ def test_short_run_moves_the_student_toward_the_teacher(
     trainer = OnPolicyDistillTrainer(
         model=str(request.getfixturevalue(student)),
         teacher_model=str(math_teacher_path),
-        args=opd_config(tmp_path, max_steps=30, signal=signal, continuation_length=8, learning_rate=learning_rate),
+        args=opd_config(
+            tmp_path,
+            max_steps=30,
+            signal=signal,
+            learning_rate=learning_rate,
+            **({"continuation_length": 8} if signal == "continuation" else {}),
+        ),
         train_dataset=math_dataset,
     )
     trainer.train()
@@ -771,7 +780,7 @@ def test_tool_mask_removes_tokens_from_the_loss(tmp_path, student_path, teacher_
     trainer = OnPolicyDistillTrainer(
         model=str(student_path),
         teacher_model=str(teacher_path),
-        args=opd_config(tmp_path, signal=signal, continuation_length=4),
+        args=opd_config(tmp_path, signal=signal, **({"continuation_length": 4} if signal == "continuation" else {})),
         train_dataset=math_dataset,
         state_logging=False,
     )
@@ -813,3 +822,157 @@ def test_one_rollout_per_prompt_puts_a_distinct_prompt_in_every_row(
 def test_one_rollout_per_prompt_refuses_a_reward_advantage(tmp_path):
     with pytest.raises(ValueError, match="num_generations=1 with reward_weight"):
         opd_config(tmp_path, num_generations=1, reward_weight=0.5)
+
+
+# ----- evaluation data, OPD's own settings, one rollout per prompt -----------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, teacher, eval_rows, message",
+    [
+        # the `dataset` state source reads each eval row's reference answer too
+        (dict(state_source_mix={"learner": 0.5, "dataset": 0.5}), "one", lambda d: d.select_columns(["prompt"]),
+         r"reference answers in column 'completion', absent from eval_dataset\['held_out'\]"),
+        # routed rows: eval teacher ids must name given teachers
+        ({}, "two", lambda d: d.add_column("teacher_id", ["a", "web"] * (len(d) // 2)),
+         r"teacher_id column of eval_dataset\['held_out'\] names teachers that are not given: \['web'\]"),
+    ],
+)  # fmt: skip
+def test_eval_dataset_is_checked_like_the_training_data_before_any_model_loads(
+    tmp_path, math_dataset, kwargs, teacher, eval_rows, message
+):
+    """Evaluation runs the same row logic as training: without this check the run trains until its first evaluation
+    and dies there. Paths that do not exist: the refusal comes before the student or a teacher is loaded."""
+    teachers = {"a": str(tmp_path / "no-a"), "b": str(tmp_path / "no-b")}
+    with pytest.raises(ValueError, match=message):
+        OnPolicyDistillTrainer(
+            model=str(tmp_path / "no-student"),
+            teacher_model=teachers if teacher == "two" else str(tmp_path / "no-teacher"),
+            args=opd_config(tmp_path, eval_strategy="steps", eval_steps=1, **kwargs),
+            train_dataset=math_dataset,
+            eval_dataset={"held_out": eval_rows(math_dataset.select(range(8)))},
+        )
+
+
+def test_images_inside_prompt_messages_are_refused_before_any_model_loads(tmp_path):
+    """GRPO takes images from `{"type": "image"}` content parts too, not only from an image column."""
+    from PIL import Image
+
+    image = Image.new("RGB", (4, 4), color=(255, 0, 0))
+    text = [{"role": "user", "content": [{"type": "text", "text": "What color is this square?"}]}]
+    with_image = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What color?"}]}
+    ]
+    data = Dataset.from_dict({"prompt": [text, with_image]})
+    assert set(data.column_names) == {"prompt"}
+    for train, evaluation in ((data, None), (data.select([0]), data)):
+        with pytest.raises(ValueError, match=r"1 row\(s\) hold an image in their prompt messages.*the first: row 1"):
+            OnPolicyDistillTrainer(
+                model=str(tmp_path / "no-student"),
+                teacher_model=str(tmp_path / "no-teacher"),
+                args=opd_config(tmp_path),
+                train_dataset=train,
+                eval_dataset=evaluation,
+            )
+
+
+@pytest.mark.parametrize(
+    "kwargs, unread",
+    [
+        (dict(signal="divergence", kl_discount=0.5), "kl_discount=0.5 (read only with signal='reverse_kl'"),
+        (dict(signal="reverse_kl", jsd_beta=0.0), "jsd_beta=0.0 (read only with signal='divergence'"),
+        (dict(signal="divergence", continuation_length=4), "continuation_length=4 (read only with signal='cont"),
+        (dict(teacher_update_rate=0.1), "teacher_update_rate=0.1 (read only with teacher_model_kind='ema'"),
+        (dict(teacher_model_kind="base", teacher_update_rate=0.1), "teacher_update_rate=0.1 (read only with"),
+        (dict(teacher_prompt_template="{prompt} {privileged_context}"), "read only with a teacher_model_kind"),
+        (dict(signal="reverse_kl", teacher_top_k=8), "teacher_top_k=8 (read only with signal='divergence' with a"),
+        (dict(signal="divergence", teacher_model_kind="live", teacher_top_k=8), "teacher_top_k=8 (read only"),
+        (dict(teacher_model_kind="live", teacher_server_timeout=5.0), "teacher_server_timeout=5.0 (read only with"),
+        (dict(teacher_model_kind="live", teacher_model_init_kwargs={"dtype": "float32"}), "teacher_model_init_kw"),
+        (dict(teacher_model_server_url="http://localhost:8000", teacher_model_init_kwargs={"dtype": "float32"}),
+         "teacher_model_init_kwargs={'dtype': 'float32'} (read only with a teacher loaded from a path"),
+    ],
+)  # fmt: skip
+def test_settings_the_run_never_reads_are_refused(tmp_path, kwargs, unread):
+    """As GRPO's settings that no OPD loss reads: a set value that would train exactly as the default is refused."""
+    with pytest.raises(ValueError, match=re.escape(unread) + ".*never reads it"):
+        opd_config(tmp_path, **kwargs)
+    # Where something reads it, the same value is accepted
+    reads = {"kl_discount": dict(signal="reverse_kl"), "jsd_beta": dict(signal="divergence"),
+             "continuation_length": dict(signal="continuation"), "teacher_top_k": dict(signal="divergence"),
+             "teacher_update_rate": dict(teacher_model_kind="ema")}  # fmt: skip
+    name = unread.split("=")[0]
+    if name in reads:
+        opd_config(tmp_path, **{name: kwargs[name], **reads[name]})
+
+
+def test_teacher_settings_are_checked_against_the_teachers_given(tmp_path, math_dataset, tokenizer):
+    """Whether a teacher is served or loaded from a path is known from `teacher_model`: checked before any load."""
+    instance = build_model("test", tokenizer)
+    with pytest.raises(ValueError, match="teacher_model_init_kwargs=.*read only with a teacher loaded from a path"):
+        OnPolicyDistillTrainer(
+            model=str(tmp_path / "no-student"),
+            teacher_model={"a": instance, "b": "http://127.0.0.1:1"},  # instances and URLs load nothing
+            args=opd_config(tmp_path, teacher_model_init_kwargs={"dtype": "float32"}),
+            train_dataset=math_dataset,
+        )
+    with pytest.raises(ValueError, match="teacher_top_k=8 .*read only with signal='divergence' with a served"):
+        OnPolicyDistillTrainer(
+            model=str(tmp_path / "no-student"),
+            teacher_model=str(tmp_path / "no-teacher"),  # in the process: the exact divergence, no top-k
+            args=opd_config(tmp_path, signal="divergence", teacher_top_k=8),
+            train_dataset=math_dataset,
+        )
+
+
+def test_reverse_kl_on_dataset_or_teacher_states_warns_that_it_is_a_heuristic(tmp_path):
+    """The sampled-token loss is a reverse-KL policy gradient only on the student's own samples."""
+    for source in ("dataset", "teacher"):
+        with pytest.warns(UserWarning, match=f"reverse_kl' with {source} states.*heuristic rather than a KL"):
+            opd_config(tmp_path, signal="reverse_kl", state_source_mix={"learner": 0.5, source: 0.5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        opd_config(tmp_path, signal="divergence", state_source_mix={"learner": 0.5, "teacher": 0.5})
+        opd_config(tmp_path, signal="reverse_kl")  # the student's own states: the real gradient
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_one_rollout_per_prompt_takes_any_batch_size(tmp_path, batch_size):
+    """GRPO's group checks (generation and global eval batch divisible by num_generations) hold for groups of one
+    whatever the batch; the real sizes come back after them."""
+    for accumulation in (1, 2):
+        args = opd_config(
+            tmp_path,
+            num_generations=1,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            eval_strategy="steps",
+            per_device_eval_batch_size=batch_size,
+        )
+        assert (args.num_generations, args.num_generations_eval) == (1, 1)
+        assert (args.per_device_train_batch_size, args.per_device_eval_batch_size) == (batch_size, batch_size)
+        assert args.steps_per_generation == accumulation
+        assert args.generation_batch_size == batch_size * accumulation
+    given = opd_config(tmp_path, signal="divergence", num_generations=1, per_device_train_batch_size=3,
+                       generation_batch_size=9)  # fmt: skip
+    assert (given.generation_batch_size, given.steps_per_generation) == (9, 3)
+    # GRPO's checks still hold where they are real: groups of 2 in evaluation, a generation batch of whole batches
+    with pytest.raises(ValueError, match="must be divisible by the number of generations used for evaluation"):
+        opd_config(tmp_path, num_generations=1, num_generations_eval=2, per_device_train_batch_size=batch_size,
+                   eval_strategy="steps", per_device_eval_batch_size=3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"generation_batch_size \(3\) must be divisible by the global batch size"):
+        opd_config(tmp_path, signal="divergence", num_generations=1, per_device_train_batch_size=2,
+                   generation_batch_size=3)  # fmt: skip
+
+
+def test_one_rollout_per_prompt_trains_with_a_batch_of_one(tmp_path, student_path, teacher_path, math_dataset):
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, max_steps=1, num_generations=1, per_device_train_batch_size=1),
+        train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )
+    trainer.train()
+    (loss,) = log_history(trainer, "loss")
+    assert math.isfinite(loss) and trainer.state.global_step == 1
+    (step,) = [json.loads(line) for line in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+    assert step["sequences"] == 1 and step["supervised_tokens"] > 0  # one rollout of one prompt

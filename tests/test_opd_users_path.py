@@ -211,7 +211,11 @@ def test_moe_router_aux_loss_is_added_as_grpo_adds_it(tmp_path, moe_student_path
         model=str(moe_student_path),
         teacher_model=str(teacher_path),
         args=opd_config(
-            tmp_path, signal=signal, continuation_length=4, gradient_accumulation_steps=2, router_aux_loss_coef=0.5
+            tmp_path,
+            signal=signal,
+            gradient_accumulation_steps=2,
+            router_aux_loss_coef=0.5,
+            **({"continuation_length": 4} if signal == "continuation" else {}),
         ),
         train_dataset=math_dataset,
         state_logging=False,

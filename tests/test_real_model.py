@@ -271,7 +271,9 @@ def test_opd_each_signal_with_the_lora_sft_teacher(tmp_path, smollm2, smollm2_pa
     trainer = OnPolicyDistillTrainer(
         model=str(smollm2_path),
         teacher_model=str(gsm8k_lora_teacher),
-        args=opd_config(tmp_path, signal=signal, max_steps=2, continuation_length=8),
+        args=opd_config(
+            tmp_path, signal=signal, max_steps=2, **({"continuation_length": 8} if signal == "continuation" else {})
+        ),
         train_dataset=gsm8k("train", "plain", limit=4, seed=2),
         peft_config=LoraConfig(**LORA),
         callbacks=[StateLoggingCallback(sample_rate=1.0)],

@@ -416,3 +416,20 @@ def test_teacher_disagreement_has_a_target_panel_only_when_a_run_scored_the_targ
         assert all(ax.lines for ax in axes), titles  # no empty panel
         assert len(axes) == (4 if name == "scored" else 3), titles
         assert any(title.startswith("Target during training") for title in titles) == (name == "scored")
+
+
+def test_a_run_whose_flops_are_unknown_is_left_out_of_the_compute_plot_with_a_note(tmp_path):
+    """A served teacher's size is unknown: results.json counts no FLOPs (`None`), and the report says so instead of
+    drawing the student's share alone."""
+    from trl_statelens.report import compute_curve
+
+    compute = {"student_parameters": 100, "teacher_parameters": None, "flops_per_token": None,
+               "flops_per_supervised_token": None, "tokens": 50.0, "flops": None}  # fmt: skip
+    run_dir = write_run(
+        tmp_path / "served",
+        results={"recipe": "opd", "run_name": "served", "after": evaluation(0.5, 0.3, 0.4), "compute": compute},
+        log_history=[{"step": 1, "num_tokens": 50.0, "eval/gsm8k/accuracy": 0.45}],
+    )
+    run = load_run(run_dir)
+    assert compute_curve(run) is None
+    assert any("counts no FLOPs (a served teacher's size is unknown)" in note for note in run.notes)

@@ -1,13 +1,14 @@
 """Self-distillation against TRL's stock `SDFTTrainer`: the config mapping of `--baseline stock`, and equal losses
 and gradients on one batch in the modes that match (`trl_statelens.stock_sdft`)."""
 
+import json
 import os
 
 import pytest
 import torch
 from cpu_settings import CPU
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.stock_sdft import to_sdft_config
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -57,7 +58,10 @@ def test_matching_modes_and_settings_are_mapped(tmp_path, signal, jsd_beta, mode
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"teacher_model_kind": None}, "separate teacher"),
+        (
+            {"teacher_model_kind": None, "teacher_prompt_template": "{prompt}\n\n{privileged_context}"},
+            "separate teacher",
+        ),
         ({"signal": "continuation"}, "continuation"),
         ({"state_source_mix": {"learner": 0.5, "dataset": 0.5}}, "state_source_mix"),
         ({"signal": "reverse_kl", "kl_discount": 0.5}, "kl_discount"),
@@ -115,3 +119,18 @@ def test_loss_and_gradient_equal_stock_sdft_on_one_batch(
     assert ours_grads.keys() == stock_grads.keys() and ours_grads
     for name, grad in ours_grads.items():
         torch.testing.assert_close(grad, stock_grads[name], rtol=1e-3, atol=1e-7, msg=name)
+
+
+def test_stock_arm_probe_logs_no_teacher_kl(tmp_path, math_trained_path, privileged_dataset):
+    """SDFT's `teacher_model` is the student (or its copy), which teaches reading a privileged prompt; the probe
+    prompts have none, so scored there it would give 0 (live, PEFT base) or a reversed `base_kl` (base). The stock
+    arm's probes, as ours with a self teacher, measure drift and `base_kl` only."""
+    from trl.experimental.sdft import SDFTTrainer
+
+    stock_args = to_sdft_config(self_config(tmp_path, max_steps=1))
+    stock = SDFTTrainer(model=str(math_trained_path), args=stock_args, train_dataset=privileged_dataset)
+    stock.add_callback(StateLoggingCallback(stock, probe_prompts=privileged_dataset["prompt"][:2], probe_steps=1))
+    assert stock.teacher_model is not None  # the attribute the probe used to score
+    stock.train()
+    (line,) = [json.loads(row) for row in (tmp_path / "statelens" / "drift.jsonl").read_text().splitlines()]
+    assert "base_kl" in line and not [key for key in line if key.startswith("teacher_kl")]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, opd_trainer
 from trl_statelens.teachers import SelfTeacher, resolve_rows
 
 
@@ -620,3 +620,57 @@ def test_peft_model_student_with_a_trained_adapter_warns_that_base_drops_it(
             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), state_logging=False,
         )  # fmt: skip
     assert "adapter disabled" not in caplog.text
+
+
+# ----- every row checked before training, on every process --------------------------------------------------------
+def test_eval_dataset_without_privileged_context_is_rejected_before_the_model_loads(tmp_path, math_dataset):
+    """The review's case: a held-out split that lacks the new column used to train until the first evaluation."""
+    with pytest.raises(ValueError, match=r"in a 'privileged_context' column, absent from eval_dataset \(columns"):
+        OnPolicyDistillTrainer(
+            model=str(tmp_path / "no-model"),
+            args=opd_config(tmp_path, eval_strategy="steps", eval_steps=1),
+            train_dataset=with_context(math_dataset),
+            eval_dataset=math_dataset,
+        )
+
+
+@pytest.mark.parametrize("split", ["train_dataset", "eval_dataset"])
+def test_a_row_without_privileged_context_is_rejected_before_the_model_loads(tmp_path, math_dataset, split):
+    """A `None` context used to raise on the one process whose batch drew the row, mid-training."""
+    contexts = list(math_dataset["completion"])
+    contexts[5] = None
+    bad, good = with_context(math_dataset, contexts), with_context(math_dataset)
+    datasets = {"train_dataset": bad, "eval_dataset": good} if split == "train_dataset" else {
+        "train_dataset": good, "eval_dataset": bad}  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"{split}: 1 row\\(s\\) have no privileged_context \\(None\\) \\(the first: row 5"
+    ):
+        OnPolicyDistillTrainer(model=str(tmp_path / "no-model"), args=opd_config(tmp_path), **datasets)
+
+
+def test_a_bad_row_on_one_process_stops_every_process(tmp_path, math_trained_path, math_dataset, monkeypatch):
+    """An IterableDataset's rows are checked batch by batch: each process says whether its batch has a bad row
+    (one gather) before the batch's first collective, so a bad row on another process stops this one too, instead
+    of leaving it in the next collective until the launcher's timeout."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), args=opd_config(tmp_path), train_dataset=with_context(math_dataset)
+    )
+    rows = [dict(row) for row in with_context(math_dataset).select(range(4))]
+    flags = []
+
+    def two_processes(other_failed):  # this process's flag and another process's
+        def gather_counts(accelerator, count):
+            flags.append(count)
+            return [count, other_failed]
+
+        return gather_counts
+
+    monkeypatch.setattr(opd_trainer, "gather_counts", two_processes(0))
+    assert trainer._check_rows_on_every_rank(rows) == [None] * 4  # a self teacher routes nothing
+    monkeypatch.setattr(opd_trainer, "gather_counts", two_processes(1))
+    with pytest.raises(ValueError, match="process 1 found a bad row in its batch"):
+        trainer._check_rows_on_every_rank(rows)
+    rows[2]["privileged_context"] = None
+    with pytest.raises(ValueError, match=r"this batch: 1 row\(s\) have no privileged_context"):
+        trainer._check_rows_on_every_rank(rows)
+    assert flags == [0, 0, 1]  # this process said so before raising: the others stop with it

@@ -192,8 +192,9 @@ def opd_config(tmp_path, **kwargs):
         num_generations=2,
         max_completion_length=16,
         learning_rate=1e-3,
-        teacher_server_retry_backoff=0.01,
     )
+    if kwargs.get("teacher_model_server_url"):  # quick retries against the test server (read by served teachers only)
+        defaults["teacher_server_retry_backoff"] = 0.01
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 
@@ -281,7 +282,7 @@ def test_overlapped_scoring_gives_the_same_teacher_logps_and_loss(
                 teacher_model_server_url=teacher_server.url,
                 teacher_server_overlap=overlap,
                 signal=signal,
-                continuation_length=4,
+                **({"continuation_length": 4} if signal == "continuation" else {}),
                 max_steps=2,
                 gradient_accumulation_steps=2,  # two micro-batches per generation: shuffled and split with the batch
             ),
@@ -420,7 +421,10 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
     """The same batch scored by each teacher kind: equal teacher log-probs, and equal losses and gradients. With
     `divergence` the served teacher's top-k covers the whole vocabulary (k = V): its top-k plus tail estimator is then
     the exact full-vocabulary divergence the in-process teacher computes."""
-    kwargs = dict(signal=signal, jsd_beta=jsd_beta, continuation_length=4, teacher_top_k=len(tokenizer))
+    kwargs = dict(signal=signal, jsd_beta=jsd_beta) if signal == "divergence" else dict(signal=signal)
+    if signal == "continuation":
+        kwargs["continuation_length"] = 4
+    top_k = {"teacher_top_k": len(tokenizer)} if signal == "divergence" else {}  # read by a served teacher only
     local, served_ = (
         OnPolicyDistillTrainer(
             model=str(student_path),
@@ -431,7 +435,7 @@ def test_in_process_and_served_teachers_give_equal_logps_and_losses_on_one_batch
         )
         for name, teacher, server in (
             ("local", str(teacher_path), {}),
-            ("served", None, {"teacher_model_server_url": teacher_server.url}),
+            ("served", None, {"teacher_model_server_url": teacher_server.url, **top_k}),
         )
     )
     for trainer in (local, served_):
@@ -771,3 +775,20 @@ def test_two_ranks_score_their_own_rows_through_the_server(tmp_path, teacher_ser
             expected = expected.squeeze(-1) * b["completion_mask"]
             torch.testing.assert_close(b["teacher_logps"], expected, atol=1e-4, rtol=1e-4)
     assert len(ranks[0]["teacher_kl"]) == 2 and ranks[0]["teacher_kl"] == ranks[1]["teacher_kl"]  # gathered
+
+
+def test_a_served_teachers_unknown_size_leaves_the_flops_uncounted(
+    tmp_path, teacher_server, student_path, math_dataset
+):
+    """The training processes cannot know a served teacher's size: `compute` says `None` rather than 0."""
+    from trl_statelens.runs import compute_counts
+
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        args=opd_config(tmp_path, teacher_model_server_url=teacher_server.url),
+        train_dataset=math_dataset,
+        state_logging=False,
+    )
+    counts = compute_counts(trainer)
+    assert counts["student_parameters"] > 0
+    assert (counts["teacher_parameters"], counts["flops_per_token"], counts["flops"]) == (None, None, None)

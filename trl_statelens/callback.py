@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,8 +41,9 @@ class StateLoggingCallback(TrainerCallback):
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
       against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`;
     - with a teacher in the trainer's process ([`probe_teacher_model`]: [`OnPolicyDistillTrainer`], TRL's
-      `DistillationTrainer`), the same probe step also measures where the student still disagrees with it, whatever
-      the training signal: the exact per-token reverse KL $\mathrm{KL}(p_S \| p_T)$ over the whole vocabulary at
+      `DistillationTrainer`; not a self teacher, ours or TRL's `SDFTTrainer`'s, which teaches from a privileged
+      prompt the probe prompts lack), the same probe step also measures where the student still disagrees with it,
+      whatever the training signal: the exact per-token reverse KL $\mathrm{KL}(p_S \| p_T)$ over the whole vocabulary at
       every completion position, averaged over the probe completion tokens, as `statelens/drift/teacher_kl/exact` on
       the student's current samples (its own states now), `teacher_kl/exact_fixed` on the step-0 samples (fixed
       states: a fall there is agreement, not a change of states), `teacher_kl/exact_number` /
@@ -519,9 +521,15 @@ def check_no_ledger(output_dir) -> None:
 def probe_teacher_model(trainer):
     """The teacher model the probe measures disagreement with: the trainer's `probe_teacher_model` where it names one
     ([`OnPolicyDistillTrainer`], `None` for a teacher that reads prompts of its own), else TRL's `teacher_model` (a
-    stock `DistillationTrainer`), else `None`."""
+    stock `DistillationTrainer`), else `None`. Not TRL's `SDFTTrainer`'s: its `teacher_model` is the student or its
+    copy, which teaches reading a privileged prompt that probe prompts do not have (scored on them it would give 0 for
+    a live or PEFT base teacher, `base_kl` reversed for a copy); the stock arm then logs no probe `teacher_kl`, as ours
+    with a self teacher."""
     if hasattr(trainer, "probe_teacher_model"):
         return trainer.probe_teacher_model
+    sdft = sys.modules.get("trl.experimental.sdft.sdft_trainer")  # imported only if the trainer is one
+    if sdft is not None and isinstance(trainer, sdft.SDFTTrainer):
+        return None
     return getattr(trainer, "teacher_model", None)
 
 

@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "statelens/forecast/"
+START_FILE = "forecast_start.safetensors"  # theta_0, once per run in output_dir (with checkpointing)
+START_REFERENCE = "forecast_start.json"  # in each checkpoint: which start file it belongs to
 DEFAULT_CALIBRATION = Path(__file__).with_name("forgetting_calibration.json")
 TIME_POINTS = {"10%": 0.10, "25%": 0.25, "100%": 1.00}  # the study's time points (recipes/studies/forgetting_study.py)
 
@@ -114,8 +120,15 @@ class ForgettingForecast(TrainerCallback):
     memory); at each forecast step one pass over the parameters: each is copied to CPU, subtracted from its copy and
     squared. Nothing on the accelerator beyond one parameter at a time; no forward pass.
 
+    **Resume.** With checkpoints (`save_strategy` other than `"no"`), $\theta_0$ is written once, at the start of
+    training, to `<output_dir>/forecast_start.safetensors` (each tensor in its parameter's dtype: the size of one
+    model checkpoint, not one per checkpoint), and every checkpoint gets a small `forecast_start.json` naming that
+    file's run. A run resumed in the same `output_dir` reads $\theta_0$ back, so its distances and forecasts are
+    those of an uninterrupted run. Without the file (a checkpoint copied elsewhere, or a start file another run
+    overwrote), the start is the resumed weights and a warning says the forecast underestimates.
+
     Not supported: DeepSpeed ZeRO-3 and FSDP (each process holds a shard; the callback refuses at the start of
-    training). On a resumed run the start is the resumed weights (a warning says so).
+    training).
 
     Args:
         trainer (`transformers.Trainer`):
@@ -154,6 +167,7 @@ class ForgettingForecast(TrainerCallback):
         self.min_retention = min_retention
         self.trainer = trainer
         self._start: dict[str, torch.Tensor] | None = None
+        self._run_id: str | None = None  # names this run's start file in its checkpoints
         self._warned = False
         self.last: dict[str, float] = {}  # the latest measurement, for the user and for tests
 
@@ -166,24 +180,29 @@ class ForgettingForecast(TrainerCallback):
             )
         model = self._model(model)
         _refuse_sharded(self.trainer.accelerator, model)
-        self._start = {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in model.named_parameters()}
+        self._start = self._saved_start(args, state) if state.global_step > 0 else None
+        if self._start is None:
+            self._start = {
+                name: p.detach().to("cpu", torch.float32, copy=True) for name, p in model.named_parameters()
+            }
+        if state.global_step == 0:
+            self._save_start(args, state, model)
         self._warned = False
         fractions = {label: point["fraction"] for label, point in self.calibration["time_points"].items()}
         self._forecast_steps = time_point_steps(state.max_steps, fractions)
         self._first_forecast_step = min(self._forecast_steps.values())
         if state.is_world_process_zero:
-            if state.global_step > 0:
-                logger.warning(
-                    "ForgettingForecast on a resumed run: param_distance is measured from the weights at step %d, not "
-                    "from the start of training, so the forecast underestimates.",
-                    state.global_step,
-                )
             if self.is_default_calibration:
                 logger.info(
                     "ForgettingForecast uses the lab calibration (31 runs of the lab's 1.1M-parameter Qwen3): the "
                     "scale of param_distance depends on the model, so its forecasts only mean something on the lab. "
                     "Pass calibration= fitted on your own model for a forecast elsewhere."
                 )
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if self._run_id is not None and state.is_world_process_zero and checkpoint.is_dir():
+            (checkpoint / START_REFERENCE).write_text(json.dumps({"start": START_FILE, "run_id": self._run_id}))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
@@ -215,6 +234,37 @@ class ForgettingForecast(TrainerCallback):
                 )  # fmt: skip
         self.last = {"step": step, **metrics}
         self._log_metrics(metrics)
+
+    # ----- the start across a resume ----------------------------------------------------------------------------
+    def _save_start(self, args, state, model) -> None:
+        """Writes theta_0 to output_dir once, when the run can be resumed (it saves checkpoints)."""
+        if args.save_strategy == "no":
+            return
+        self._run_id = uuid.uuid4().hex
+        if state.is_world_process_zero:
+            dtypes = {name: p.dtype for name, p in model.named_parameters()}  # theta_0 came from them: exact
+            tensors = {name: start.to(dtypes[name]).contiguous() for name, start in self._start.items()}
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            save_file(tensors, Path(args.output_dir) / START_FILE, metadata={"run_id": self._run_id})
+
+    def _saved_start(self, args, state) -> dict[str, torch.Tensor] | None:
+        """theta_0 from output_dir on a resumed run, if the checkpoint resumed from names that file's run."""
+        path = Path(args.output_dir) / START_FILE
+        reference = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / START_REFERENCE
+        run_id = json.loads(reference.read_text())["run_id"] if reference.is_file() else None
+        if run_id is not None and path.is_file():
+            with safe_open(path, framework="pt") as f:
+                if (f.metadata() or {}).get("run_id") == run_id:
+                    self._run_id = run_id  # later checkpoints name the same file
+                    return {name: f.get_tensor(name).to(torch.float32) for name in f.keys()}
+        if state.is_world_process_zero:
+            logger.warning(
+                "ForgettingForecast on a resumed run without its starting weights (%s is missing or was written by "
+                "another run than the checkpoint of step %d): param_distance is measured from the weights at step "
+                "%d, not from the start of training, so the forecast underestimates.",
+                path, state.global_step, state.global_step,
+            )  # fmt: skip
+        return None
 
     # ----- measurement ------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from trl import DistillationConfig, GRPOConfig
@@ -12,6 +13,13 @@ from trl import DistillationConfig, GRPOConfig
 SIGNALS = ("reverse_kl", "continuation", "divergence")
 MIX_SOURCES = ("learner", "dataset", "teacher")
 TEACHER_MODEL_KINDS = ("base", "live", "ema")
+SERVER_SETTINGS = (  # read by served teachers only
+    "teacher_server_timeout",
+    "teacher_server_max_retries",
+    "teacher_server_retry_backoff",
+    "teacher_server_chunk_size",
+    "teacher_server_overlap",
+)
 
 
 @dataclass
@@ -27,7 +35,12 @@ class OnPolicyDistillConfig(GRPOConfig):
     there is no clipped importance ratio to correct staleness). GRPO settings no OPD loss reads are refused at config
     time: `top_entropy_quantile` below 1, the entropy bonus (`entropy_coef`, `use_adaptive_entropy`),
     `off_policy_mask_threshold`, and the ratio-clipping settings (`epsilon`, `epsilon_high`, `delta`,
-    `importance_sampling_level`) away from their defaults. A Mixture-of-Experts student's router load-balancing loss
+    `importance_sampling_level`) away from their defaults. So are this config's own settings where the run never reads
+    them (set away from their defaults): `kl_discount` without `reverse_kl`, `jsd_beta` without `divergence`,
+    `continuation_length` without `continuation`, `teacher_update_rate` without `teacher_model_kind="ema"`,
+    `teacher_prompt_template` without a `teacher_model_kind`, `teacher_model_init_kwargs` without a teacher loaded
+    from a path, `teacher_top_k` and the `teacher_server_*` settings without a served teacher (checked here where the
+    teacher is known, by the trainer otherwise). A Mixture-of-Experts student's router load-balancing loss
     (`router_aux_loss_coef`, or the model config's) is added to every signal's loss as GRPO adds it. The teacher
     scores the generation batch in chunks of `per_device_train_batch_size` rows (`per_device_eval_batch_size` in
     evaluation), as GRPO scores its reference model. With vLLM, the `reverse_kl` loss applies GRPO's vLLM
@@ -82,7 +95,11 @@ class OnPolicyDistillConfig(GRPOConfig):
             Per-sample probabilities of where a rollout's states come from: `"learner"` (the student's own rollout),
             `"dataset"` (the reference answer in `reference_column`, teacher-forced) or `"teacher"` (the teacher's
             own rollout). Every sample is supervised with the same `signal`. Defaults to `{"learner": 1.0}`. On the
-            command line, a JSON string: `--state_source_mix '{"learner": 0.8, "teacher": 0.2}'`.
+            command line, a JSON string: `--state_source_mix '{"learner": 0.8, "teacher": 0.2}'`. `reverse_kl` is a
+            reverse-KL policy gradient only on the student's own samples: on `dataset` or `teacher` tokens $y_t$ its
+            gradient is that of $\frac{1}{2}(\log p_S(y_t|s_t) - \log p_T(y_t|s_t))^2$ (with `kl_discount=0`), a
+            heuristic that matches the two log-probs of the given token, not a KL (a warning says so); `continuation`
+            and `divergence` mean the same at any state.
         reference_column (`str`, *optional*, defaults to `"completion"`):
             Dataset column with the reference answer used by the `"dataset"` state source.
         reward_weight (`float`, *optional*, defaults to `0.0`):
@@ -92,6 +109,7 @@ class OnPolicyDistillConfig(GRPOConfig):
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
+            Refused when no teacher is loaded from a path (a model instance, a served or a self teacher).
 
         > The student as its own teacher (self-distillation with privileged context; TRL's `SDFTConfig` names)
 
@@ -149,10 +167,10 @@ class OnPolicyDistillConfig(GRPOConfig):
             $\beta\,KL(\tilde p_T \| m) + (1-\beta)\,KL(\tilde p_S \| m)$ with $m = (1-\beta)\tilde p_S + \beta \tilde p_T$
             otherwise, summed over supervised states and normalised as the exact loss. The teacher's tail is
             floored at 1e-7 (float rounding of its top-k sum), ids past the student's vocabulary count in its tail,
-            and with `teacher_top_k` equal to the vocabulary size there is no tail: the exact divergence. The
-            default is the smallest k whose loss and gradient stayed close to the exact ones on the lab
-            (BENCHMARKS.md, "Top-k divergence from a served teacher"). An in-process teacher always gives the exact
-            full-vocabulary divergence.
+            and with `teacher_top_k` equal to the vocabulary size there is no tail: the exact divergence. How the
+            loss and gradient at each k compare with the exact ones on the lab: BENCHMARKS.md, "Top-k divergence
+            from a served teacher". An in-process teacher always gives the exact full-vocabulary divergence (and
+            does not read `teacher_top_k`).
         teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
             Seconds to wait for the server at start-up, and for each answer.
         teacher_server_max_retries (`int`, *optional*, defaults to `3`):
@@ -270,23 +288,23 @@ class OnPolicyDistillConfig(GRPOConfig):
             )
         self._check_grpo_loss_settings()
         self._check_self_teacher_settings()
+        # Which teacher reads the teacher settings is known here for a self teacher or teacher_model_server_url;
+        # otherwise the trainer checks them once its teacher_model is given
+        if self.teacher_model_kind is not None or self.teacher_model_server_url is not None:
+            self.check_settings_are_read(served=self.teacher_model_server_url is not None, loads_a_path=False)
+        else:
+            self.check_settings_are_read()
+        self._warn_about_reverse_kl_off_policy()
         if self.teacher_model_server_url is not None:
             self._check_teacher_server_settings()
         # One rollout per prompt (TRL's DistillationTrainer draws one): GRPO refuses fewer than 2 because its
         # advantage needs a group; distillation's teacher supplies a per-token signal with no group to compare to
         one_rollout_per_prompt = self.num_generations == 1
-        if one_rollout_per_prompt and self.reward_weight != 0.0:
-            raise ValueError(
-                "num_generations=1 with reward_weight != 0: GRPO's reward advantage compares rollouts of the same "
-                "prompt, so it needs num_generations >= 2; use num_generations >= 2 or reward_weight=0.0"
-            )
         if one_rollout_per_prompt:
-            self.num_generations = 2  # passes GRPO's group check; restored below
+            given_generation_batch_size = self._count_batches_in_pairs_for_grpo()
         super().__post_init__()
         if one_rollout_per_prompt:
-            self.num_generations = 1
-            if self.num_generations_eval in (None, 2):
-                self.num_generations_eval = 1
+            self._count_batches_in_ones_again(given_generation_batch_size)
         if self.signal == "reverse_kl" and self.gradient_accumulation_steps % self.steps_per_generation != 0:
             raise ValueError(
                 f"steps_per_generation={self.steps_per_generation} does not divide gradient_accumulation_steps="
@@ -295,6 +313,39 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "distillation does not. Make steps_per_generation divide gradient_accumulation_steps, or use "
                 "signal='continuation' or 'divergence' (supervision at given states, no sampled-token gradient)"
             )
+
+    def _count_batches_in_pairs_for_grpo(self) -> int | None:
+        """GRPO checks that its generation batch holds whole groups of at least 2 rollouts. Groups of one rollout fit
+        any batch, so GRPO is shown groups of 2 in a generation batch of twice the micro-batches (or rollouts), which
+        always holds whole pairs, and evaluation in groups of one; `_count_batches_in_ones_again` puts the real
+        sizes back. Only GRPO's own fields change: the per-device batch sizes, which TrainingArguments hands to
+        DeepSpeed, stay as given. Returns the `generation_batch_size` the user gave, if any."""
+        if self.reward_weight != 0.0:
+            raise ValueError(
+                "num_generations=1 with reward_weight != 0: GRPO's reward advantage compares rollouts of the same "
+                "prompt, so it needs num_generations >= 2; use num_generations >= 2 or reward_weight=0.0"
+            )
+        self.num_generations = 2
+        if self.num_generations_eval is None:
+            self.num_generations_eval = 1  # any global eval batch holds whole groups of one
+        given = self.generation_batch_size
+        if given is not None:
+            self.generation_batch_size = 2 * given
+        else:
+            self.steps_per_generation = 2 * (self.steps_per_generation or self.gradient_accumulation_steps)
+        return given
+
+    def _count_batches_in_ones_again(self, given_generation_batch_size: int | None) -> None:
+        self.num_generations = 1
+        global_batch = self.per_device_train_batch_size * self.world_size
+        if given_generation_batch_size is not None and given_generation_batch_size % global_batch != 0:
+            # GRPO checked the doubled size, which twice an indivisible one may pass
+            raise ValueError(
+                f"generation_batch_size ({given_generation_batch_size}) must be divisible by the global batch size "
+                f"({global_batch})."
+            )
+        self.generation_batch_size //= 2
+        self.steps_per_generation = self.generation_batch_size // global_batch
 
     def _check_grpo_loss_settings(self):
         """GRPO loss settings the on-policy distillation losses have no place for: refused, never silently ignored."""
@@ -332,6 +383,48 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "reverse_kl advantage only; continuation and divergence train on the teacher's tokens or "
                 "distributions, with no sampled-token policy gradient to weight. Use signal='reverse_kl' or leave "
                 "reward_weight=0.0"
+            )
+
+    def check_settings_are_read(self, served: bool | None = None, loads_a_path: bool | None = None) -> None:
+        """OPD's own settings that the run never reads, refused when set away from their defaults (as the GRPO
+        settings above are): `served` says whether a teacher runs on a server, `loads_a_path` whether one is loaded
+        from a path or hub id; `None` while the teachers are unknown (the trainer checks again with its
+        `teacher_model`)."""
+        divergence, maybe_served = self.signal == "divergence", served is not False
+        readers = {  # setting: (what reads it, whether this run has that)
+            "kl_discount": ("signal='reverse_kl'", self.signal == "reverse_kl"),
+            "jsd_beta": ("signal='divergence'", divergence),
+            "continuation_length": ("signal='continuation'", self.signal == "continuation"),
+            "teacher_update_rate": ("teacher_model_kind='ema'", self.teacher_model_kind == "ema"),
+            "teacher_prompt_template": ("a teacher_model_kind", self.teacher_model_kind is not None),
+            "teacher_model_init_kwargs": ("a teacher loaded from a path or hub id", loads_a_path is not False),
+            "teacher_top_k": ("signal='divergence' with a served teacher", divergence and maybe_served),
+            **{name: ("a served teacher", maybe_served) for name in SERVER_SETTINGS},
+        }
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unread = [
+            f"{name}={getattr(self, name)!r} (read only with {reader}; default {defaults[name]!r})"
+            for name, (reader, read) in readers.items()
+            if not read and getattr(self, name) != defaults[name]
+        ]
+        if unread:
+            raise ValueError(
+                f"{'; '.join(unread)}: this run (signal={self.signal!r}, teacher_model_kind="
+                f"{self.teacher_model_kind!r}) never reads it, so it would train exactly as with the default. Leave it "
+                "at its default, or choose the signal or teacher that reads it"
+            )
+
+    def _warn_about_reverse_kl_off_policy(self):
+        given = [source for source in ("dataset", "teacher") if self.state_source_mix.get(source, 0.0) > 0]
+        if self.signal == "reverse_kl" and given:
+            warnings.warn(
+                f"signal='reverse_kl' with {' and '.join(given)} states in state_source_mix: the reverse_kl loss is a "
+                "reverse-KL policy gradient only on tokens the student sampled. On given tokens y_t its gradient is "
+                "that of (log p_S(y_t) - log p_T(y_t))^2 / 2 (with kl_discount=0): it pulls the student's log-prob of "
+                "each given token toward the teacher's, a heuristic rather than a KL. For a divergence at those "
+                "states, use signal='divergence'",
+                UserWarning,
+                stacklevel=4,  # the caller of the config's __init__
             )
 
     def _check_self_teacher_settings(self):
@@ -394,7 +487,9 @@ class OnPolicyDistillConfig(GRPOConfig):
             ServerDistillationConfig, beta=self.jsd_beta, loss_top_k=loss_top_k, loss_add_tail=True
         )
 
-    def _stock_config(self, config_class, **fields):
-        stock_fields = {f.name for f in dataclasses.fields(config_class) if f.init}
+    def _stock_config(self, config_class, skip=(), **fields):
+        """A `config_class` with every field both configs have copied from this one (but those in `skip`), and
+        `fields` on top (`trl_statelens.stock_sdft` builds TRL's `SDFTConfig` with it too)."""
+        stock_fields = {f.name for f in dataclasses.fields(config_class) if f.init} - set(skip)
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in stock_fields}
         return config_class(**{**shared, **fields})

@@ -21,7 +21,7 @@ from trl.kernels.chunked_logprob import _use_triton
 from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import pad
 
-from .checks import check_train_dataset
+from .collective import gather_counts
 from .grpo_trainer import StateLensGRPOTrainer
 from .heads import (
     _completion_hidden_states,
@@ -29,6 +29,7 @@ from .heads import (
     _completion_logps_and_entropies,
     _head_logps,
 )
+from .opd_checks import check_datasets, check_rows, check_teacher_settings_are_read, row_columns
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
 from .teachers import (
@@ -107,14 +108,18 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         args ([`OnPolicyDistillConfig`], *optional*): the configuration; `signal` and `state_source_mix` choose
             the method.
         train_dataset: rows with a `prompt` column (plain text or conversational), plus `args.reference_column`
-            when the `dataset` state source is used, and `privileged_context` with `args.teacher_model_kind`. Image
-            datasets (an `image` or `images` column, what GRPO reads images from) are refused: neither the loss nor
-            the teacher would see the images.
+            (a reference answer in every row) when the `dataset` state source is used, and `privileged_context` (not
+            `None`; a conversational prompt then ends with a user message) with `args.teacher_model_kind`. Images
+            (an `image` or `images` column, or `{"type": "image"}` parts in the prompt messages: where GRPO reads
+            images from) are refused: neither the loss nor the teacher would see them. Checked before any model
+            loads, every row of a map dataset; an `IterableDataset`'s rows are checked batch by batch, and a bad row
+            on one process stops every process.
+        eval_dataset: as `train_dataset` (a dataset or a dict of them), checked the same way: evaluation runs the
+            same state sources, teachers and teacher prompts.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
             `args.reward_weight`. Without them nothing is rewarded: GRPO's reward metrics are not logged and the
             ledger's sequences carry no reward.
-        eval_dataset, processing_class, callbacks, optimizers, peft_config, state_logging: as for
-            [`StateLensGRPOTrainer`].
+        processing_class, callbacks, optimizers, peft_config, state_logging: as for [`StateLensGRPOTrainer`].
     """
 
     _tag_names = ["trl", "statelens", "on-policy-distillation"]
@@ -138,9 +143,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             args = OnPolicyDistillConfig(f"{name.split('/')[-1]}-OPD")
         if not isinstance(args, OnPolicyDistillConfig):
             raise TypeError(f"args must be an OnPolicyDistillConfig, got {type(args).__name__}")
-        _check_dataset(train_dataset, args)
-        _check_teacher_ids(train_dataset, teacher_model)
-        _check_no_images(train_dataset, eval_dataset)
+        check_datasets(train_dataset, eval_dataset, teacher_model, args)
+        check_teacher_settings_are_read(teacher_model, args)
         if args.use_vllm and args.state_source_mix.get("learner", 0.0) < 1.0:
             raise ValueError(
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
@@ -189,8 +193,6 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             teacher_model = load_teacher(teacher_model, args)
         else:
             teacher_path = None
-            if args.teacher_model_init_kwargs is not None:
-                raise ValueError("teacher_model_init_kwargs only applies when teacher_model is a path or hub id")
 
         super().__init__(
             model=model,
@@ -304,7 +306,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             rows=inputs,
             sources=[MIX_SOURCES[i] for i in draws.tolist()],
             references=[row.get(self.args.reference_column) for row in inputs],
-            teachers=self.teacher.route([row.get("teacher_id") for row in inputs]),
+            teachers=self._check_rows_on_every_rank(inputs),
         )
         # GRPO calls `_generate(prompts)` and `_get_per_token_logps_and_entropies` from inside its own method, with
         # arguments it fixes: the batch reaches them through this one attribute, held for the duration of the call
@@ -327,6 +329,27 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # One `TeacherRow` per row (read in the loss), or None: an in-process teacher's divergence is computed there
         output["teacher_scores"] = batch.teacher_scores
         return output
+
+    def _check_rows_on_every_rank(self, inputs: list[dict]) -> list[str | None]:
+        """Each row's teacher, once this batch's rows hold what the run reads (`check_rows`). A bad row stops every
+        process here, before the batch's first collective: raised on its own process only, it would leave the others
+        waiting in the next one until the launcher's timeout. A map dataset's rows were checked when the trainer was
+        built; this is what catches an IterableDataset's (one flag per process gathered, once per generation batch)."""
+        error, teachers = None, None
+        try:
+            check_rows({name: [row.get(name) for row in inputs] for name in row_columns(self.args)}, self.args)
+            teachers = self.teacher.route([row.get("teacher_id") for row in inputs])
+        except ValueError as raised:
+            error = raised
+        failed = gather_counts(self.accelerator, int(error is not None))
+        if error is not None:
+            raise error
+        if any(failed):
+            raise ValueError(
+                f"process {failed.index(1)} found a bad row in its batch (its error is in its log); every process "
+                "stops here"
+            )
+        return teachers
 
     def _generate(self, prompts):
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
@@ -655,63 +678,3 @@ def _discounted_reverse_cumsum(x: torch.Tensor, gamma: float) -> torch.Tensor:
         running = x[:, t] + gamma * running
         out[:, t] = running
     return out
-
-
-def _check_dataset(dataset, args: OnPolicyDistillConfig) -> None:
-    if dataset is None:
-        return
-    check_train_dataset(dataset, ("prompt",), "OnPolicyDistillTrainer")  # rows, before the teacher loads
-    columns = dataset.column_names or []
-    if "prompt" not in columns:
-        raise ValueError(
-            f"the training dataset has no 'prompt' column (columns: {columns}); OnPolicyDistillTrainer samples "
-            "completions from prompts: rename your prompt column to 'prompt'"
-        )
-    if args.teacher_model_kind is not None and "privileged_context" not in columns:
-        raise ValueError(
-            f"teacher_model_kind={args.teacher_model_kind!r} makes the student its own teacher, reading "
-            f"teacher_prompt_template={args.teacher_prompt_template!r}, which needs each row's privileged context in "
-            f"a 'privileged_context' column, absent from the dataset (columns: {columns})"
-        )
-    if args.state_source_mix.get("dataset", 0.0) > 0 and args.reference_column not in columns:
-        raise ValueError(
-            f"state_source_mix uses 'dataset' states, which need reference answers in column "
-            f"{args.reference_column!r}, absent from the dataset (columns: {columns}); set reference_column"
-        )
-
-
-def _check_teacher_ids(dataset, teacher_model) -> None:
-    """Every `teacher_id` in the dataset must name one of the teachers (a single teacher takes none)."""
-    columns = getattr(dataset, "column_names", None) or []
-    if "teacher_id" not in columns or not hasattr(dataset, "unique"):  # an IterableDataset is checked row by row
-        return
-    given = {teacher_id for teacher_id in dataset.unique("teacher_id") if teacher_id is not None}
-    if not isinstance(teacher_model, dict):
-        if given:
-            raise ValueError(
-                f"the dataset's teacher_id column names teachers {sorted(given)}, but teacher_model is a single "
-                "teacher: pass a dict name -> teacher with those names, or drop the column"
-            )
-        return
-    unknown = sorted(given - set(teacher_model))
-    if unknown:
-        raise ValueError(
-            f"the dataset's teacher_id column names teachers that are not given: {unknown}; the teachers are "
-            f"{list(teacher_model)} (rows without a teacher_id go to the first, {next(iter(teacher_model), None)!r})"
-        )
-
-
-def _check_no_images(*datasets) -> None:
-    """GRPO would pass an `image`/`images` column to the student's rollouts, but OPD's loss and teacher scoring run
-    on token ids alone: the student would be trained, and the teacher would score, without the images."""
-    for dataset in datasets:
-        for split in dataset.values() if isinstance(dataset, dict) else [dataset]:
-            columns = getattr(split, "column_names", None) or []
-            found = [c for c in ("image", "images") if c in columns]
-            if found:
-                raise ValueError(
-                    f"the dataset has an image column ({found[0]!r}): OnPolicyDistillTrainer supports text only (its "
-                    "loss and the teacher see token ids, never the images). Drop the column "
-                    f"(dataset.remove_columns({found[0]!r})) to train on the text alone, or use TRL's GRPOTrainer or "
-                    "GOLDTrainer for vision-language data."
-                )

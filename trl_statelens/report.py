@@ -159,6 +159,8 @@ def load_run(path: str | Path) -> Run:
         notes.append("no `results.json`: no evaluation scores")
     elif not isinstance(results.get("after"), dict):
         notes.append("`results.json` has no `after` evaluation: no scores")
+    if isinstance((results or {}).get("compute"), dict) and results["compute"].get("flops") is None:
+        notes.append("`results.json` counts no FLOPs (a served teacher's size is unknown): not in the compute plot")
     is_stock = (results or {}).get("baseline") == "stock"
     steps_are_averages = False
     if steps is None and log_history:
@@ -771,8 +773,8 @@ def training_flops(run: Run, steps) -> np.ndarray | None:
     them."""
     compute = (run.results or {}).get("compute")
     logged = [(e["step"], e["num_tokens"]) for e in run.log_history or [] if isinstance(e, dict) and "num_tokens" in e]
-    if not isinstance(compute, dict) or not logged:
-        return None
+    if not isinstance(compute, dict) or compute.get("flops_per_token") is None or not logged:
+        return None  # (`None` per token: a served teacher, whose size is unknown)
     token_steps, tokens = np.array(logged, dtype=float).T
     steps = np.asarray(steps, dtype=float)
     flops = compute["flops_per_token"] * np.interp(steps, np.r_[0.0, token_steps], np.r_[0.0, tokens])

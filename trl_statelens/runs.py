@@ -316,35 +316,78 @@ def compute_counts(trainer) -> dict:
     teacher scores it (2 N_T). The `continuation` signal is counted as if the whole rollout stayed (an upper bound:
     the cut drops part of it): the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout
     token and per supervised token), scores them (the same again) and the student trains on them (6 N_S).
+
+    N_T (`teacher_parameters`) is the teacher's size: the student's for a self teacher (its privileged context's
+    extra tokens not counted); with several teachers (`teacher_parameters_by_name`), their sizes weighted by the
+    tokens each supervised (the ledger's `supervised_tokens/<name>`). A teacher on a server has a size this process
+    cannot know: N_T is then `None`, and so are the FLOPs (the student's share alone would understate them).
     """
     student = matmul_parameters(trainer.model)
-    teacher = matmul_parameters(getattr(trainer, "teacher_model", None))
-    if getattr(getattr(trainer, "teacher", None), "reads_own_prompts", False):
-        teacher = student  # a self teacher is the student's size (its privileged context's extra tokens not counted)
     args = trainer.args
+    steps = Path(args.output_dir) / "statelens" / "steps.jsonl"
+    ledger = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else None
+    by_name = teacher_sizes(trainer, student)
+    teacher = weighted_teacher_size(by_name, ledger)
     per_token, per_supervised = 6 * student, 0
     if hasattr(args, "num_generations") or hasattr(trainer, "teacher_model"):  # the learner samples its rollouts
-        per_token += 2 * student + 2 * teacher
+        per_token += 2 * student
         if getattr(args, "beta", 0.0) and getattr(trainer, "ref_model", None) is not None:
             per_token += 2 * student
-        if getattr(args, "signal", None) == "continuation":
+        if teacher is None:
+            per_token = per_supervised = None
+        else:
             per_token += 2 * teacher
-            per_supervised = 4 * teacher + 6 * student
+            if getattr(args, "signal", None) == "continuation":
+                per_token += 2 * teacher
+                per_supervised = 4 * teacher + 6 * student
     tokens = float(trainer.state.num_input_tokens_seen or 0)
     if not tokens:
         tokens = float(next((e["num_tokens"] for e in reversed(trainer.state.log_history) if "num_tokens" in e), 0))
-    steps = Path(args.output_dir) / "statelens" / "steps.jsonl"
-    supervised = sum(json.loads(line)["supervised_tokens"] for line in steps.read_text().splitlines()) if (
-        per_supervised and steps.exists()
-    ) else 0.0  # fmt: skip
-    return {
+    supervised = sum(line["supervised_tokens"] for line in ledger) if (per_supervised and ledger) else 0.0
+    counts = {
         "student_parameters": student,
         "teacher_parameters": teacher,
         "flops_per_token": per_token,
         "flops_per_supervised_token": per_supervised,
         "tokens": tokens,
-        "flops": per_token * tokens + per_supervised * supervised,
+        "flops": None if per_token is None else per_token * tokens + per_supervised * supervised,
     }
+    if by_name is not None and len(by_name) > 1:
+        counts["teacher_parameters_by_name"] = by_name
+    return counts
+
+
+def teacher_sizes(trainer, student: int) -> dict[str, int | None] | None:
+    """Each teacher's matmul parameters by name (`""` for a single teacher), `None` for one on a server; `None` when
+    the trainer has no teacher."""
+    teacher = getattr(trainer, "teacher", None)  # OnPolicyDistillTrainer's; stock trainers have a teacher_model
+    if teacher is None:
+        if getattr(trainer.args, "teacher_model_server_url", None):  # TRL's ServerDistillationTrainer
+            return {"": None}
+        model = getattr(trainer, "teacher_model", None)  # TRL's SDFTTrainer: the student itself or its copy
+        return None if model is None else {"": matmul_parameters(model)}
+    if teacher.reads_own_prompts:  # the student as its own teacher
+        return {"": student}
+    teachers = getattr(teacher, "teachers", None) or {"": teacher}
+    # A served teacher has no model in this process
+    return {name: None if t.model is None else matmul_parameters(t.model) for name, t in teachers.items()}
+
+
+def weighted_teacher_size(by_name: dict[str, int | None] | None, ledger: list[dict] | None) -> float | None:
+    """The teacher parameters a rollout token meets on average: 0 without a teacher, `None` if a teacher's size (a
+    served one's) or, for teachers of different sizes, each one's share of the supervised tokens is unknown."""
+    if not by_name:
+        return 0
+    sizes = set(by_name.values())
+    if None in sizes:
+        return None
+    if len(sizes) == 1:
+        return sizes.pop()
+    tokens = {name: sum(line.get(f"supervised_tokens/{name}", 0.0) for line in ledger or []) for name in by_name}
+    total = sum(tokens.values())
+    if not total:
+        return None
+    return sum(by_name[name] * tokens[name] for name in by_name) / total
 
 
 def target_change(out: Path) -> dict | None:

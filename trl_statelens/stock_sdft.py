@@ -11,7 +11,12 @@ student on the student prompt, $p_T$ the self teacher on the teacher prompt, bot
   $\beta$: the same generalised JSD over the whole vocabulary ($\beta=1$ reverse KL, $0$ forward KL, in between
   $\beta KL(p_T \| m) + (1-\beta) KL(p_S \| m)$ with $m = (1-\beta) p_S + \beta p_T$).
 - `teacher_model_kind` ("base", "live", "ema"), `teacher_update_rate` and `teacher_prompt_template` keep their
-  names and meaning; the EMA teacher is updated after every optimizer step (`teacher_sync_steps=1`).
+  names and meaning; the EMA teacher is updated after every optimizer step (`teacher_sync_steps=1`). One exception:
+  a PEFT (LoRA) student's `"ema"` starts from another point. TRL's `PEFTAdapterEMACallback` starts the teacher
+  adapter and its average at zeros, ours at the student's adapter. Both compute the base model at the start (a
+  LoRA's B is 0), but after $t$ updates TRL's average holds $r \sum_k (1-r)^{t-k} \theta_k$ and ours
+  $(1-r)^t \theta_0$ more (the student's starting adapter, its random A included), so the two teachers differ
+  from the first step on. A full-weight student's `"ema"` starts from the student's weights in both.
 - SDFT's importance-sampling clip (`distillation_is_clip`) multiplies the loss by a clipped ratio to the policy
   that sampled the rollout, only when rollouts are reused across optimizer steps; ours applies no ratio, so it is
   off (`None`). Every completion token is supervised (`num_loss_tokens_to_skip=0`), rollouts come from the student
@@ -27,7 +32,6 @@ Settings with no SDFT counterpart are refused here rather than dropped (see `NO_
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from .opd_config import OnPolicyDistillConfig
@@ -76,25 +80,18 @@ def to_sdft_config(args: OnPolicyDistillConfig):
     if problems:
         raise ValueError("--baseline stock (TRL's SDFTTrainer) has no counterpart for: " + "; ".join(problems))
 
-    stock_fields = {f.name for f in dataclasses.fields(SDFTConfig) if f.init}
-    shared = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(args)
-        if f.init and f.name in stock_fields and f.name not in _NOT_COPIED
-    }
     sampled_token = args.signal == "reverse_kl"
-    return SDFTConfig(
-        **{
-            **shared,
-            "distillation_mode": "sampled_token" if sampled_token else "full_logits",
-            "distillation_alpha": 1.0 if sampled_token else args.jsd_beta,
-            "distillation_is_clip": None,
-            "num_loss_tokens_to_skip": 0,
-            "generate_from_teacher": False,
-            "max_prompt_length": None,
-            "teacher_model_kind": args.teacher_model_kind,
-            "teacher_update_rate": args.teacher_update_rate,
-            "teacher_sync_steps": 1,
-            "teacher_prompt_template": args.teacher_prompt_template,
-        }
+    return args._stock_config(
+        SDFTConfig,
+        skip=_NOT_COPIED,
+        distillation_mode="sampled_token" if sampled_token else "full_logits",
+        distillation_alpha=1.0 if sampled_token else args.jsd_beta,
+        distillation_is_clip=None,
+        num_loss_tokens_to_skip=0,
+        generate_from_teacher=False,
+        max_prompt_length=None,
+        teacher_model_kind=args.teacher_model_kind,
+        teacher_update_rate=args.teacher_update_rate,
+        teacher_sync_steps=1,
+        teacher_prompt_template=args.teacher_prompt_template,
     )

@@ -111,8 +111,7 @@ SMOKE_FLAGS = {
     "eval": ["--eval_limit", "3", "--eval_max_new_tokens", "8"],
     "sft": ["--per_device_train_batch_size", "4"],
     "grpo": ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8"],
-    "opd": ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8",
-            "--continuation_length", "4"],
+    "opd": ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8"],
 }  # fmt: skip
 
 # ----- cost estimate (rough) ---------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ SMOKE_FLAGS = {
     "grpo": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
              "--max_completion_length", "8", "--probe_steps", "1"],
     "opd": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
-            "--max_completion_length", "8", "--continuation_length", "4", "--probe_steps", "1"],
+            "--max_completion_length", "8", "--probe_steps", "1"],
 }  # fmt: skip
 
 

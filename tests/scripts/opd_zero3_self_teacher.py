@@ -45,9 +45,9 @@ def config(signal, kind="live", name=None, **kwargs):
         per_device_train_batch_size=2,
         num_generations=2,
         max_completion_length=4,
-        continuation_length=2,
         learning_rate=1e-3,
         signal=signal,
+        **({"continuation_length": 2} if signal == "continuation" else {}),
         teacher_model_kind=kind,
         state_source_mix={"learner": 0.5, "teacher": 0.5},
     )

@@ -72,12 +72,8 @@ class SelfTeacher(InProcessTeacher):
         return self.weights.generation_model
 
     def prompts(self, student_prompts, rows):
-        missing = [i for i, row in enumerate(rows) if row.get("privileged_context") is None]
-        if missing:
-            raise ValueError(
-                f"{len(missing)} row(s) of this batch have no privileged_context (None): the self teacher's prompt "
-                f"is {self.template!r}; give every row a privileged_context (an empty string for none)"
-            )
+        # The trainer checked these rows before the batch's rollouts (`opd_checks.check_rows`, on every process): a
+        # privileged_context in each, and a conversational prompt ending with the user message `fill` replaces
         texts = [self.fill(row["prompt"], row["privileged_context"]) for row in rows]
         return [list(ids) for ids in self.trainer._tokenize_prompts(texts)[0]]
 
@@ -87,11 +83,6 @@ class SelfTeacher(InProcessTeacher):
         if not is_conversational({"prompt": prompt}):
             return self.template.format(prompt=prompt, privileged_context=context)
         last = prompt[-1]
-        if last.get("role") != "user":
-            raise ValueError(
-                f"a conversational prompt for the self teacher must end with a user message, whose text "
-                f"teacher_prompt_template fills in; this one ends with a {last.get('role')!r} message"
-            )
         text = self.template.format(prompt=_as_text([last]), privileged_context=context)
         return [*prompt[:-1], {**last, "content": text}]
 

@@ -1,0 +1,162 @@
+"""What [`OnPolicyDistillTrainer`] reads from its datasets, rows and teacher settings, checked before any model
+loads (a map dataset's rows), or per generation batch on every process (an `IterableDataset`'s): each names the
+problem and the fix (docs/bad-input.md)."""
+
+from __future__ import annotations
+
+from .checks import check_train_dataset
+from .opd_config import OnPolicyDistillConfig
+
+
+def check_datasets(train_dataset, eval_dataset, teacher_model, args: OnPolicyDistillConfig) -> None:
+    """What the run reads from its rows, before any model loads: the columns, the teacher ids and (a map dataset's)
+    every row's values. The evaluation data too, which runs the same row logic (state sources, teachers, the self
+    teacher's prompt) at the first evaluation."""
+    check_train_dataset(train_dataset, ("prompt",), "OnPolicyDistillTrainer")
+    splits = {"train_dataset": train_dataset}
+    if isinstance(eval_dataset, dict):
+        splits.update({f"eval_dataset[{name!r}]": split for name, split in eval_dataset.items()})
+    else:
+        splits["eval_dataset"] = eval_dataset
+    for what, dataset in splits.items():
+        if dataset is None:
+            continue
+        _check_no_images(dataset, what)
+        _check_columns(dataset, args, what)
+        _check_teacher_ids(dataset, teacher_model, what)
+        if hasattr(dataset, "__len__"):  # an IterableDataset's rows are checked batch by batch, on every process
+            check_rows({name: dataset[name] for name in row_columns(args)}, args, what)
+
+
+def _check_columns(dataset, args: OnPolicyDistillConfig, what: str) -> None:
+    columns = dataset.column_names or []
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{what} has no 'prompt' column (columns: {columns}); OnPolicyDistillTrainer samples completions from "
+            "prompts: rename your prompt column to 'prompt'"
+        )
+    if args.teacher_model_kind is not None and "privileged_context" not in columns:
+        raise ValueError(
+            f"teacher_model_kind={args.teacher_model_kind!r} makes the student its own teacher, reading "
+            f"teacher_prompt_template={args.teacher_prompt_template!r}, which needs each row's privileged context in "
+            f"a 'privileged_context' column, absent from {what} (columns: {columns})"
+        )
+    if args.state_source_mix.get("dataset", 0.0) > 0 and args.reference_column not in columns:
+        raise ValueError(
+            f"state_source_mix uses 'dataset' states, which need reference answers in column "
+            f"{args.reference_column!r}, absent from {what} (columns: {columns}); set reference_column"
+        )
+
+
+def row_columns(args: OnPolicyDistillConfig) -> list[str]:
+    """The columns whose values `check_rows` reads."""
+    columns = ["prompt"]
+    if args.teacher_model_kind is not None:
+        columns.append("privileged_context")
+    if args.state_source_mix.get("dataset", 0.0) > 0:
+        columns.append(args.reference_column)
+    return columns
+
+
+def check_rows(columns: dict[str, list], args: OnPolicyDistillConfig, what: str = "this batch") -> None:
+    """Each row's values that the run reads (`columns`, from `row_columns`): prompts without images in their messages,
+    a self teacher's privileged context and a conversational prompt ending with the user message its template fills,
+    a reference answer for `dataset` states."""
+
+    def refuse(rows: list[int], problem: str, fix: str) -> None:
+        if rows:
+            raise ValueError(f"{what}: {len(rows)} row(s) {problem} (the first: row {rows[0]}); {fix}")
+
+    prompts = columns["prompt"]
+    refuse(
+        [i for i, prompt in enumerate(prompts) if _has_image_part(prompt)],
+        'hold an image in their prompt messages (a {"type": "image"} content part)',
+        "OnPolicyDistillTrainer supports text only (its loss and the teacher see token ids, never the images): drop "
+        "the image parts to train on the text alone, or use TRL's GRPOTrainer or GOLDTrainer for vision-language data",
+    )
+    if args.teacher_model_kind is not None:
+        refuse(
+            [i for i, context in enumerate(columns["privileged_context"]) if context is None],
+            "have no privileged_context (None)",
+            f"the self teacher's prompt is {args.teacher_prompt_template!r}: give every row a privileged_context (an "
+            "empty string for none)",
+        )
+        refuse(
+            [
+                i
+                for i, prompt in enumerate(prompts)
+                if isinstance(prompt, list) and prompt[-1:] and not _ends_with_user(prompt)
+            ],
+            "have a conversational prompt that does not end with a user message",
+            "the self teacher's teacher_prompt_template fills the last user message: end each prompt with one",
+        )
+    if args.state_source_mix.get("dataset", 0.0) > 0:
+        refuse(
+            [i for i, reference in enumerate(columns[args.reference_column]) if reference is None],
+            f"have no reference answer (None in {args.reference_column!r})",
+            "the 'dataset' state source teacher-forces each row's reference: give every row one",
+        )
+
+
+def _ends_with_user(prompt: list[dict]) -> bool:
+    return prompt[-1].get("role") == "user"
+
+
+def _has_image_part(prompt) -> bool:
+    """A conversational prompt with a `{"type": "image"}` content part, which GRPO would hand to the student's
+    rollouts as an image."""
+    return isinstance(prompt, list) and any(
+        isinstance(message.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") == "image" for part in message["content"])
+        for message in prompt
+    )
+
+
+def _check_teacher_ids(dataset, teacher_model, what: str) -> None:
+    """Every `teacher_id` in the dataset must name one of the teachers (a single teacher takes none)."""
+    columns = getattr(dataset, "column_names", None) or []
+    if "teacher_id" not in columns or not hasattr(dataset, "unique"):  # an IterableDataset is checked batch by batch
+        return
+    given = {teacher_id for teacher_id in dataset.unique("teacher_id") if teacher_id is not None}
+    if not isinstance(teacher_model, dict):
+        if given:
+            raise ValueError(
+                f"the teacher_id column of {what} names teachers {sorted(given)}, but teacher_model is a single "
+                "teacher: pass a dict name -> teacher with those names, or drop the column"
+            )
+        return
+    unknown = sorted(given - set(teacher_model))
+    if unknown:
+        raise ValueError(
+            f"the teacher_id column of {what} names teachers that are not given: {unknown}; the teachers are "
+            f"{list(teacher_model)} (rows without a teacher_id go to the first, {next(iter(teacher_model), None)!r})"
+        )
+
+
+def _check_no_images(dataset, what: str) -> None:
+    """GRPO would pass an `image`/`images` column to the student's rollouts, but OPD's loss and teacher scoring run
+    on token ids alone: the student would be trained, and the teacher would score, without the images."""
+    columns = getattr(dataset, "column_names", None) or []
+    found = [c for c in ("image", "images") if c in columns]
+    if found:
+        raise ValueError(
+            f"{what} has an image column ({found[0]!r}): OnPolicyDistillTrainer supports text only (its loss and the "
+            f"teacher see token ids, never the images). Drop the column (dataset.remove_columns({found[0]!r})) to "
+            "train on the text alone, or use TRL's GRPOTrainer or GOLDTrainer for vision-language data."
+        )
+
+
+def _is_url(teacher) -> bool:
+    return isinstance(teacher, str) and teacher.startswith(("http://", "https://"))
+
+
+def check_teacher_settings_are_read(teacher_model, args: OnPolicyDistillConfig) -> None:
+    """The config's teacher settings checked against the teachers given (`teacher_model_init_kwargs` is read for a
+    teacher loaded from a path, `teacher_top_k` and `teacher_server_*` for a served one)."""
+    if args.teacher_model_kind is not None or args.teacher_model_server_url is not None or teacher_model is None:
+        return  # checked by the config already (or no teacher: refused below)
+    teachers = list(teacher_model.values()) if isinstance(teacher_model, dict) else [teacher_model]
+    args.check_settings_are_read(
+        served=any(_is_url(t) for t in teachers),
+        loads_a_path=any(isinstance(t, str) and not _is_url(t) for t in teachers),
+    )
