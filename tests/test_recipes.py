@@ -143,6 +143,10 @@ def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student
     assert compute["tokens"] == logged_tokens[5] and compute["flops"] == per_token * logged_tokens[5]
     flops, scores = compute_curve(run)
     assert flops.tolist() == [0.0, per_token * logged_tokens[2], per_token * logged_tokens[4], compute["flops"]]
+    # the ledger's running count by part ends at results.json's; the teacher's tokens are the ledger's
+    assert ledger[-1]["flops_total/total"] == pytest.approx(compute["flops"])
+    assert ledger[-1]["flops_total/teacher"] == compute["flops_by_part"]["teacher"]
+    assert compute["teacher_tokens"] == (sum(line["teacher_tokens"] for line in ledger) if recipe == "opd" else None)
     assert scores.tolist() == y.tolist()
     # the report's compute table: the first evaluation reaching start + 0.05 (here, a 4-item score moves by 0.25)
     gained = [i for i, score in enumerate(scores) if score >= scores[0] + 0.05 - 1e-9]

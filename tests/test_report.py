@@ -433,3 +433,27 @@ def test_a_run_whose_flops_are_unknown_is_left_out_of_the_compute_plot_with_a_no
     run = load_run(run_dir)
     assert compute_curve(run) is None
     assert any("counts no FLOPs (a served teacher's size is unknown)" in note for note in run.notes)
+
+
+def test_the_training_cost_table_reads_the_ledgers_teacher_tokens_and_last_flops_by_part(tmp_path):
+    """One row per run whose ledger counts its cost: the teacher tokens summed over steps and the last step's
+    `flops_total/*`; a served teacher's unknown FLOPs (`null`) and a run without the counts (no row) stay apart."""
+    results = {"recipe": "opd", "after": evaluation(0.5, 0.3, 0.4)}
+    lines = step_lines(2, sources={"learner": 1.0}, teacher=True)
+    local, served = ([{**line} for line in lines] for _ in range(2))
+    for step, (a, b) in enumerate(zip(local, served), start=1):
+        parts = {"student_generation": 2e6 * step, "student_training": 6e6 * step, "teacher": 4e6 * step}
+        a.update({"teacher_tokens": 100.0 + step, **{f"flops_total/{k}": v for k, v in parts.items()}})
+        a["flops_total/total"] = sum(parts.values())
+        b.update({"teacher_tokens": 10.0, **{f"flops_total/{k}": v for k, v in parts.items()}})
+        b["flops_total/teacher"] = b["flops_total/total"] = None
+    runs = [
+        write_run(tmp_path / name, results={**results, "run_name": name}, steps=steps)
+        for name, steps in (("local", local), ("served", served), ("plain", lines))
+    ]
+    write_report(runs, tmp_path / "report")
+    table = (tmp_path / "report" / "report.md").read_text().split("## Training cost")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in table.splitlines() if line.startswith("| ")}
+    assert rows["local"] == ["203", "4.00e+06", "1.20e+07", "8.00e+06", "2.40e+07 |"]
+    assert rows["served"] == ["20", "4.00e+06", "1.20e+07", "-", "- |"]
+    assert "plain" not in rows

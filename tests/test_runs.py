@@ -1,15 +1,21 @@
-"""`trl_statelens.runs.compute_counts`: the teacher share of a run's training FLOPs, for every kind of teacher."""
+"""`trl_statelens.runs.compute_counts`: the teacher share of a run's training FLOPs, for every kind of teacher; the
+records' per-step `teacher_tokens` and FLOPs by part, against a hand count."""
 
 import json
+from collections import Counter
 
 import pytest
 from cpu_settings import CPU
 from datasets import Dataset
+from transformers import TrainerCallback
+from vllm_test_server import TestTeacherServer
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
+from trl_statelens.compute import matmul_parameters
 from trl_statelens.lab import build_model
 from trl_statelens.lab.model import build_qwen3
-from trl_statelens.runs import compute_counts, matmul_parameters
+from trl_statelens.records import source_code
+from trl_statelens.runs import compute_counts
 
 
 def opd_config(tmp_path, **kwargs):
@@ -90,3 +96,117 @@ def test_a_teacher_of_unknown_size_counts_no_flops(tmp_path, student_path, token
     counts = compute_counts(trainer)
     assert counts["teacher_parameters"] is None and counts["flops_per_token"] is None and counts["flops"] is None
     assert counts["teacher_parameters_by_name"] == {"local": matmul_parameters(local.model), "served": None}
+
+
+@pytest.fixture(scope="module")
+def teacher_server(teacher_path):
+    with TestTeacherServer(teacher_path) as server:
+        yield server
+
+
+class TokensSeen(TrainerCallback):
+    """`num_input_tokens_seen` (the rollout tokens `compute` counts) at the end of each step, 0 before the first."""
+
+    def __init__(self):
+        self.seen = [0]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(state.num_input_tokens_seen)
+
+
+@pytest.mark.parametrize(
+    "kind, signal, mix",
+    [
+        ("in_process", "reverse_kl", {"learner": 0.5, "teacher": 0.5}),
+        ("in_process", "continuation", {"learner": 1.0}),
+        ("self", "reverse_kl", {"learner": 1.0}),
+        ("router", "reverse_kl", {"learner": 0.5, "teacher": 0.5}),
+        ("served", "reverse_kl", {"learner": 0.5, "teacher": 0.5}),
+    ],
+)
+def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
+    kind, signal, mix, tmp_path, student_path, teacher_path, math_dataset, monkeypatch, request
+):
+    """Per step, `teacher_tokens` is what the teacher was given to score (every rollout's completion tokens) plus
+    what it wrote (the rollouts of `teacher` states; a `continuation`, which it then scores after the student's
+    prefix), counted by hand from each generation batch's masks. Another rank is played that always needs one more
+    teacher call (as in tests/test_collective.py): this rank makes its stand-in calls (an extra scoring chunk, a
+    generation or a chunk for a router's teacher without rows here), which are not counted. The step's
+    `flops/<part>` is DESIGN.md's count from the models' sizes and the step's tokens, and the last `flops_total/*`
+    are `results.json`'s; a served teacher's are unknown (`None`), its tokens are counted all the same."""
+    monkeypatch.setattr(collective, "gather_counts", lambda accelerator, count: [count, count + 1])
+    data = Dataset.from_dict({"prompt": math_dataset["prompt"][:8]})
+    teacher_model, kind_args = {
+        "in_process": (str(teacher_path), {}),
+        "self": (None, {"teacher_model_kind": "base"}),
+        "router": ({"a": str(teacher_path), "b": str(student_path)}, {}),  # every row is a's: b has none here
+        "served": (None, None),
+    }[kind]
+    if kind == "self":
+        data = data.add_column("privileged_context", math_dataset["completion"][:8])
+    if kind == "served":
+        kind_args = {"teacher_model_server_url": request.getfixturevalue("teacher_server").url}
+    tokens_seen = TokensSeen()
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=teacher_model,
+        args=opd_config(
+            tmp_path,
+            max_steps=2,
+            per_device_train_batch_size=4,
+            signal=signal,
+            state_source_mix=mix,
+            **({"continuation_length": 4} if signal == "continuation" else {}),
+            **kind_args,
+        ),  # fmt: skip
+        train_dataset=data,
+        callbacks=[StateLoggingCallback(sample_rate=0.0), tokens_seen],
+    )
+    by_hand = Counter()
+    generate_and_score = trainer._generate_and_score_completions
+
+    def counted(inputs):
+        output = generate_and_score(inputs)
+        mask = output["completion_mask"]
+        if signal == "continuation":  # the teacher wrote the continuation, then scored the prefix and it
+            count = output["loss_mask"].sum() + mask.sum()
+        else:  # every rollout scored; those of teacher states written by the teacher first
+            count = mask.sum() + mask[output["row_source"] == source_code("teacher")].sum()
+        by_hand[trainer.state.global_step + 1] += int(count)
+        return output
+
+    trainer._generate_and_score_completions = counted
+    trainer.train()
+
+    steps = [json.loads(line) for line in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+    assert [line["teacher_tokens"] for line in steps] == [by_hand[1], by_hand[2]] and min(by_hand.values()) > 0
+    assert steps[-1]["teacher_tokens_total"] == by_hand[1] + by_hand[2]
+    if "teacher" in mix:
+        assert any(line["source_frac/teacher"] > 0 for line in steps)  # the teacher wrote some states
+
+    student = matmul_parameters(trainer.model)
+    teacher = {
+        "in_process": lambda: matmul_parameters(trainer.teacher.model),
+        "self": lambda: student,
+        "router": lambda: matmul_parameters(trainer.teacher.teachers["a"].model),
+        "served": lambda: None,
+    }[kind]()
+    cut = signal == "continuation"
+    for line, before, after in zip(steps, tokens_seen.seen, tokens_seen.seen[1:]):
+        tokens, supervised = after - before, line["supervised_tokens"]
+        assert tokens > 0
+        assert line["flops/student_generation"] == pytest.approx(2 * student * tokens)
+        assert line["flops/student_training"] == pytest.approx(6 * student * (tokens + cut * supervised))
+        if teacher is None:
+            assert line["flops/teacher"] is None and line["flops/total"] is None
+        else:
+            expected = (2 + 2 * cut) * teacher * tokens + 4 * cut * teacher * supervised
+            assert line["flops/teacher"] == pytest.approx(expected)
+    counts = compute_counts(trainer)
+    assert counts["teacher_tokens"] == by_hand[1] + by_hand[2]
+    for part, value in {**counts["flops_by_part"], "total": counts["flops"]}.items():
+        if value is None:  # a served teacher's part, and so the total
+            assert steps[-1][f"flops_total/{part}"] is None and part in ("teacher", "total") and teacher is None
+        else:
+            assert steps[-1][f"flops_total/{part}"] == pytest.approx(value)
+            assert value == pytest.approx(sum(line[f"flops/{part}"] for line in steps))

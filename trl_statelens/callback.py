@@ -15,6 +15,7 @@ from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import unwrap_model_for_generation
 
 from .checks import check_probe_lengths, context_length
+from .compute import FLOPS_PARTS, ComputeCounter, ledger_totals, tokens_seen
 from .drift import PrefixFeatures, probe_drift
 from .records import StateRecorderMixin, aggregate_states, prefix_len_histogram
 
@@ -36,8 +37,13 @@ class StateLoggingCallback(TrainerCallback):
       `state_entropy`, `offpolicy_gap`, `source_frac/*`, `prefix_len/*`, `weight/*`, and `teacher_nll` and
       `teacher_kl/supervised` (the sampled reverse KL on the supervised tokens the learner sampled) when a teacher
       scored the tokens; with several teachers `supervised_tokens/<name>` and
-      `source_frac/teacher/<name>`). The aggregates go into the trainer's metrics under the `statelens/` prefix,
-      so they are logged (and reach `report_to` backends) with the trainer's own metrics;
+      `source_frac/teacher/<name>`), with the step's cost: `teacher_tokens` (the positions a teacher scored or
+      wrote, all ranks: [`StateRecorderMixin._count_teacher_tokens`]) and `teacher_tokens_total` (so far) with a
+      teacher, and the training FLOPs by part, `flops/{student_generation,student_training,teacher,total}` for the
+      step and `flops_total/*` so far (counted as `results.json`'s `compute`: [`~trl_statelens.compute.ComputeCounter`];
+      `None` in the ledger, and not logged, for a served teacher's part, whose size is unknown). The aggregates go
+      into the trainer's metrics under the `statelens/` prefix, so they are logged (and reach `report_to` backends)
+      with the trainer's own metrics;
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
       against step 0 is logged as `statelens/drift/{mmd,centroid,sliced_wasserstein,jaccard}`;
     - with a teacher in the trainer's process ([`probe_teacher_model`]: [`OnPolicyDistillTrainer`], TRL's
@@ -155,6 +161,8 @@ class StateLoggingCallback(TrainerCallback):
         self.records_states = isinstance(self.trainer, StateRecorderMixin)
         if self.records_states:
             self.trainer._start_state_recording()
+            self._compute = ComputeCounter.of(self.trainer)
+            self._totals = {}  # the ledger's per-step counts so far (`ledger_totals`)
         elif state.is_world_process_zero:
             logger.warning(
                 "StateLoggingCallback on %s: per-step state records need a StateLens trainer (StateLensSFTTrainer, "
@@ -165,6 +173,12 @@ class StateLoggingCallback(TrainerCallback):
             self._check_no_ledger_on_every_rank(state)
         if state.is_world_process_zero:
             self._prepare_ledger(resumed_at=state.global_step)
+            if self.records_states:  # a resumed run counts on from its ledger (the main process's, which logs)
+                steps = self.ledger_dir / "steps.jsonl"
+                if steps.exists():
+                    self._totals = ledger_totals([json.loads(line) for line in steps.read_text().splitlines()])
+        if self.records_states:
+            self._flops_so_far = self._flops()
         if self.probe_prompts is not None:
             self._check_probe_lengths()
             self._reference_texts, self._base_policy = self._load_or_make_reference(state)
@@ -174,6 +188,7 @@ class StateLoggingCallback(TrainerCallback):
         if self.records_states:
             records = self.trainer._collect_state_records(self.sample_rate, seed=args.seed)
             metrics = aggregate_states(records, self.trainer.state_teacher_names)
+            metrics.update(self._accounting(metrics))
             self._log_metrics(metrics)
             if state.is_world_process_zero:
                 line = {"step": state.global_step, "epoch": state.epoch, **metrics}
@@ -196,14 +211,35 @@ class StateLoggingCallback(TrainerCallback):
                     line["teacher_kl/exact_by_prefix"] = by_prefix
                 self._append("drift.jsonl", [line])
 
+    # ----- accounting ----------------------------------------------------------------------------------------
+    def _flops(self) -> dict[str, float | None]:
+        """The run's training FLOPs so far by part (`runs.compute_counts`' count, from the same totals)."""
+        return self._compute.split(tokens_seen(self.trainer), self._totals.get("supervised_tokens", 0.0), self._totals)
+
+    def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:
+        """`teacher_tokens_total`, and the step's (`flops/<part>`) and the run's (`flops_total/<part>`) training FLOPs
+        by part: each step's is the run's so far less the run's at the step before, so the last step's totals are
+        `results.json`'s (teachers of several sizes are weighted by all the tokens each supervised so far)."""
+        self._totals = ledger_totals([self._totals, metrics])
+        accounting = {}
+        if "teacher_tokens" in metrics:
+            accounting["teacher_tokens_total"] = self._totals["teacher_tokens"]
+        flops, before = self._flops(), self._flops_so_far
+        for part in (*FLOPS_PARTS, "total"):
+            step = None if flops[part] is None or before[part] is None else flops[part] - before[part]
+            accounting[f"flops/{part}"], accounting[f"flops_total/{part}"] = step, flops[part]
+        self._flops_so_far = flops
+        return accounting
+
     # ----- logging and ledger ----------------------------------------------------------------------------------
-    def _log_metrics(self, metrics: dict[str, float]) -> None:
-        """Queue metrics in the trainer's own metric store, which its next `log()` averages and reports."""
+    def _log_metrics(self, metrics: dict[str, float | None]) -> None:
+        """Queue metrics in the trainer's own metric store, which its next `log()` averages and reports (an unknown
+        count, `None`, is left out)."""
         store = getattr(self.trainer, "_metrics", None)
         if store is None:
             return
         for name, value in metrics.items():
-            if math.isfinite(value):
+            if value is not None and math.isfinite(value):
                 store["train"][METRIC_PREFIX + name].append(value)
 
     def _check_no_ledger_on_every_rank(self, state) -> None:

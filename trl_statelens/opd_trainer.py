@@ -212,6 +212,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
         self._rollout_batch: RolloutBatch | None = None  # while a generation batch is made (see `RolloutBatch`)
+        self._teacher_tokens = 0  # the records' `teacher_tokens` (`_count_teacher_tokens`)
         self._forward_redirection = _ForwardRedirection()
         # Everything the trainer asks of its teacher goes through `self.teacher` (the `teachers` package)
         if args.teacher_model_kind is not None:
@@ -366,6 +367,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             self.max_completion_length,
             teachers=[batch.teachers[i] for i in teacher_rows],
         )
+        self._count_teacher_tokens(rollouts)
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:
@@ -382,6 +384,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             batch.teacher_scores = self.teacher.score(
                 teacher_prompts, completion_ids, distribution, teachers=batch.teachers
             )
+            # (an in-process teacher's `divergence` scores them in the loss: the same rows, counted here)
+            self._count_teacher_tokens(completion_ids)
         # From here until the batch is returned GRPO scores the rollouts with the student (its old log-probs), which
         # no OPD loss reads: `_get_per_token_logps_and_entropies` skips that forward. (The teacher's scoring above
         # runs first: a live self teacher is the student.)
@@ -420,6 +424,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         )
         for i, continuation in zip(kept, written):
             continuations[i] = continuation
+        self._count_teacher_tokens(written)
 
         device = completion_ids.device
         pad_id = self._tokenizer.pad_token_id
@@ -443,6 +448,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         ):
             output.pop(stale, None)  # computed for the rollouts before the cut; the loss here does not use them
         output["teacher_scores"] = self.teacher.score(prompts, sequences, teachers=output["teacher"])
+        self._count_teacher_tokens(sequences)
         return output
 
     def _resolve_teacher_logps(self, inputs: dict) -> torch.Tensor:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .collective import gather_counts
+
 STATE_SOURCES = ("dataset", "learner", "teacher")
 TOKEN_FIELDS = ("rank", "sequence", "prefix_len", "source", "logp", "entropy", "teacher_logp", "weight", "teacher")
 INTEGER_FIELDS = ("rank", "sequence", "prefix_len", "source", "teacher")
@@ -62,6 +64,7 @@ class StateRecords:
     weight: torch.Tensor
     teacher: torch.Tensor | None = None  # None: no teacher routing, every entry -1
     samples: list[dict] = field(default_factory=list)
+    teacher_tokens: int | None = None  # positions the teacher scored or wrote (all ranks); None: no teacher
 
     def __post_init__(self):
         if self.teacher is None:
@@ -84,7 +87,8 @@ class StateRecords:
 
     def cpu(self) -> StateRecords:
         """The same records with every column on the CPU."""
-        return StateRecords(**{name: getattr(self, name).cpu() for name in TOKEN_FIELDS}, samples=self.samples)
+        columns = {name: getattr(self, name).cpu() for name in TOKEN_FIELDS}
+        return StateRecords(**columns, samples=self.samples, teacher_tokens=self.teacher_tokens)
 
     def gather(self, accelerator) -> StateRecords:
         """The records of every rank, on every rank (a no-op with one process).
@@ -111,7 +115,9 @@ class StateRecords:
 def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ()) -> dict[str, float]:
     """The per-step metrics of DESIGN.md from one step's records (all ranks).
 
-    ``supervised_tokens`` and ``sequences`` are always there; the rest only when the step supervised any token.
+    ``supervised_tokens`` and ``sequences`` are always there, and ``teacher_tokens`` (the positions the teacher
+    scored or wrote, see :meth:`StateRecorderMixin._count_teacher_tokens`) with a teacher; the rest only when the step
+    supervised any token.
     With several teachers (``teacher_names``, the order the records' ``teacher`` codes index), per teacher
     ``supervised_tokens/<name>`` (the supervised tokens of its rows) and ``source_frac/teacher/<name>`` (the share of
     all supervised tokens whose prefix it wrote: they sum to ``source_frac/teacher``).
@@ -125,6 +131,8 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
     num_tokens = len(records)
     num_sequences = torch.unique(records.rank * (records.sequence.max() + 1 if num_tokens else 1) + records.sequence)
     metrics = {"supervised_tokens": float(num_tokens), "sequences": float(num_sequences.numel())}
+    if records.teacher_tokens is not None:
+        metrics["teacher_tokens"] = float(records.teacher_tokens)
     for code, name in enumerate(teacher_names):
         metrics[f"supervised_tokens/{name}"] = float((records.teacher == code).sum())
     if num_tokens == 0:
@@ -216,10 +224,15 @@ class StateRecorderMixin:
     _state_sequences_in_step: int = 0
     # With several teachers, their names, the same on every rank: each row's teacher is recorded as its index here
     state_teacher_names: tuple[str, ...] = ()
+    # A trainer with a teacher sets it to 0: the positions its teacher scored or wrote on this rank since the last
+    # collection (`_count_teacher_tokens`)
+    _teacher_tokens: int | None = None
 
     def _start_state_recording(self) -> None:
         self._state_buffer = []
         self._state_sequences_in_step = 0
+        if self._teacher_tokens is not None:
+            self._teacher_tokens = 0
 
     @torch.no_grad()
     def _record_states(
@@ -352,6 +365,14 @@ class StateRecorderMixin:
         )
         self._state_sequences_in_step += num_sequences
 
+    def _count_teacher_tokens(self, rows: list[list[int]]) -> None:
+        """Count the token positions of `rows` (this rank's own: a stand-in row or chunk that only joins the other ranks'
+        collectives is never passed) as teacher work of the current optimizer step: the positions it scores (each
+        completion it is asked for log-probs of or a distribution over, prompt tokens not counted) or writes (a
+        `teacher` state source's rollout, a `continuation`). Training only."""
+        if self._teacher_tokens is not None and self.model.training:
+            self._teacher_tokens += sum(len(row) for row in rows)
+
     def _collect_state_records(self, sample_rate: float, seed: int = 0) -> StateRecords:
         """The records of the optimizer step that just ended, from every rank; clears the buffer.
 
@@ -371,7 +392,11 @@ class StateRecorderMixin:
             if chosen.any():
                 records.samples = self._sample_sequences(part, chosen.nonzero().flatten().tolist(), step, rank)
             parts.append(records)
-        return StateRecords.cat(parts).gather(accelerator)
+        records = StateRecords.cat(parts).gather(accelerator)
+        if self._teacher_tokens is not None:
+            records.teacher_tokens = sum(gather_counts(accelerator, self._teacher_tokens))
+            self._teacher_tokens = 0
+        return records
 
     def _sample_sequences(self, part: _MicroBatchStates, indices: list[int], step: int, rank: int) -> list[dict]:
         """Ledger entries of the chosen sequences: text and per-token values (a loop over a few sequences only)."""

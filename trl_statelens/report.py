@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .compute import FLOPS_PARTS
 from .states_html import write_states_page
 
 TARGET_TASK = "gsm8k"
@@ -513,6 +514,49 @@ def teacher_table(runs: list[Run]) -> list[Block]:
             "supervised tokens, those on prefixes this teacher wrote (`source_frac/teacher/<name>`, token-weighted "
             "over steps; the run's teacher column above is their sum). teacher_kl/sampled: the mean of the logged "
             "`teacher_kl/sampled/<name>` values, over the tokens its rows' student sampled.",
+        ),
+    ]
+
+
+def cost_table(runs: list[Run]) -> list[Block]:
+    """One row per run whose ledger counts its cost: the positions its teacher scored or wrote and its training FLOPs
+    by part (the ledger's last `flops_total/*`, the same as `results.json`'s `compute`)."""
+    rows = []
+    for run in runs:
+        total = column(run.steps, "flops_total/student_training")
+        if total is None:
+            continue
+        teacher_tokens = column(run.steps, "teacher_tokens")
+        parts = [column(run.steps, f"flops_total/{part}") for part in FLOPS_PARTS + ("total",)]
+        rows.append(
+            [
+                run.label,
+                fmt(None if teacher_tokens is None else int(np.nansum(teacher_tokens)), ","),
+                *(fmt(None if values is None else float(values[-1]), ".2e") for values in parts),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        Block("heading", "Training cost"),
+        Block(
+            "table",
+            header=[
+                "Run",
+                "Teacher tokens",
+                "student generation FLOPs",
+                "student training FLOPs",
+                "teacher FLOPs",
+                "total FLOPs",
+            ],  # fmt: skip
+            rows=rows,
+        ),
+        Block(
+            "text",
+            "Teacher tokens: the positions a teacher scored or wrote over the run (the ledger's `teacher_tokens`, all "
+            "ranks; prompt tokens not counted). FLOPs: 2 per parameter and token forward, 6 forward and backward, "
+            "from the models' sizes and the tokens processed (`trl_statelens.compute.ComputeCounter`); a served "
+            "teacher's size is unknown, so are its FLOPs and the total (-).",
         ),
     ]
 
@@ -1126,6 +1170,7 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
         + teacher_table(runs)
         + plot_blocks(runs, out_dir, base_scores)
         + compute_table(runs, base_scores)
+        + cost_table(runs)
         + run_notes(runs)
     )
     states_path = write_states_page(runs, out_dir / "states.html")

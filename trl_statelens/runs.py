@@ -25,6 +25,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from .callback import StateLoggingCallback, check_no_ledger
+from .compute import ComputeCounter, ledger_totals, tokens_seen
 from .data import load_gsm8k
 from .evaluation import (
     RETENTION_TASKS,
@@ -293,101 +294,37 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     return results
 
 
-def matmul_parameters(model) -> int:
-    """Parameters a token's forward pass multiplies by: all of them but an untied input embedding (a lookup)."""
-    if model is None:
-        return 0
-    model = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    sizes = {id(p): getattr(p, "ds_numel", p.numel()) for p in model.parameters()}  # ZeRO-3: the full size
-    if head is not None and embedding.weight is not head.weight:
-        sizes.pop(id(embedding.weight), None)
-    return sum(sizes.values())
-
-
 def compute_counts(trainer) -> dict:
-    """Training compute counted from model sizes and tokens, 2 FLOPs per parameter per token for a forward pass and 6
-    for a forward and backward (attention's length-squared term left out: lab sequences are short).
+    """Training compute counted from model sizes and tokens ([`ComputeCounter`] says what is counted), from the
+    tokens the trainer logs as `num_tokens` and the ledger's `supervised_tokens` (and `supervised_tokens/<name>`,
+    which weigh teachers of several sizes).
 
-    `flops_per_token` multiplies the tokens the trainer logs as `num_tokens` (SFT: the tokens trained on; GRPO and
-    distillation: the rollouts' prompt and completion tokens, all ranks), `flops_per_supervised_token` the ledger's
-    `supervised_tokens`; the report draws compute so far at each step from both. Per rollout token: the student
-    samples it (2 N_S), is trained on it (6 N_S) and, in GRPO with `beta` > 0, the reference scores it (2 N_S); a
-    teacher scores it (2 N_T). The `continuation` signal is counted as if the whole rollout stayed (an upper bound:
-    the cut drops part of it): the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout
-    token and per supervised token), scores them (the same again) and the student trains on them (6 N_S).
-
-    N_T (`teacher_parameters`) is the teacher's size: the student's for a self teacher (its privileged context's
-    extra tokens not counted); with several teachers (`teacher_parameters_by_name`), their sizes weighted by the
-    tokens each supervised (the ledger's `supervised_tokens/<name>`). A teacher on a server has a size this process
-    cannot know: N_T is then `None`, and so are the FLOPs (the student's share alone would understate them).
+    `flops_per_token` multiplies `tokens`, `flops_per_supervised_token` the ledger's `supervised_tokens` (the report
+    draws compute so far at each step from both), `flops_by_part` splits `flops` into student generation, student
+    training and teacher (the ledger's last `flops_total/*` are the same numbers), and `teacher_tokens` sums the
+    ledger's (`None` without). N_T (`teacher_parameters`, by teacher in `teacher_parameters_by_name` when there are
+    several) and every FLOP count it enters are `None` for a teacher on a server, whose size is unknown here.
     """
-    student = matmul_parameters(trainer.model)
-    args = trainer.args
-    steps = Path(args.output_dir) / "statelens" / "steps.jsonl"
-    ledger = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else None
-    by_name = teacher_sizes(trainer, student)
-    teacher = weighted_teacher_size(by_name, ledger)
-    per_token, per_supervised = 6 * student, 0
-    if hasattr(args, "num_generations") or hasattr(trainer, "teacher_model"):  # the learner samples its rollouts
-        per_token += 2 * student
-        if getattr(args, "beta", 0.0) and getattr(trainer, "ref_model", None) is not None:
-            per_token += 2 * student
-        if teacher is None:
-            per_token = per_supervised = None
-        else:
-            per_token += 2 * teacher
-            if getattr(args, "signal", None) == "continuation":
-                per_token += 2 * teacher
-                per_supervised = 4 * teacher + 6 * student
-    tokens = float(trainer.state.num_input_tokens_seen or 0)
-    if not tokens:
-        tokens = float(next((e["num_tokens"] for e in reversed(trainer.state.log_history) if "num_tokens" in e), 0))
-    supervised = sum(line["supervised_tokens"] for line in ledger) if (per_supervised and ledger) else 0.0
+    counter = ComputeCounter.of(trainer)
+    steps = Path(trainer.args.output_dir) / "statelens" / "steps.jsonl"
+    ledger = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else []
+    totals = ledger_totals(ledger)
+    tokens = tokens_seen(trainer)
+    by_part = counter.split(tokens, totals.get("supervised_tokens", 0.0), totals)
+    per_token, per_supervised = counter.split(1, 0, totals)["total"], counter.split(0, 1, totals)["total"]
     counts = {
-        "student_parameters": student,
-        "teacher_parameters": teacher,
+        "student_parameters": counter.student,
+        "teacher_parameters": counter.teacher(totals),
         "flops_per_token": per_token,
         "flops_per_supervised_token": per_supervised,
         "tokens": tokens,
-        "flops": None if per_token is None else per_token * tokens + per_supervised * supervised,
+        "flops": by_part.pop("total"),
+        "flops_by_part": by_part,
+        "teacher_tokens": totals.get("teacher_tokens"),
     }
-    if by_name is not None and len(by_name) > 1:
-        counts["teacher_parameters_by_name"] = by_name
+    if counter.teacher_sizes is not None and len(counter.teacher_sizes) > 1:
+        counts["teacher_parameters_by_name"] = counter.teacher_sizes
     return counts
-
-
-def teacher_sizes(trainer, student: int) -> dict[str, int | None] | None:
-    """Each teacher's matmul parameters by name (`""` for a single teacher), `None` for one on a server; `None` when
-    the trainer has no teacher."""
-    teacher = getattr(trainer, "teacher", None)  # OnPolicyDistillTrainer's; stock trainers have a teacher_model
-    if teacher is None:
-        if getattr(trainer.args, "teacher_model_server_url", None):  # TRL's ServerDistillationTrainer
-            return {"": None}
-        model = getattr(trainer, "teacher_model", None)  # TRL's SDFTTrainer: the student itself or its copy
-        return None if model is None else {"": matmul_parameters(model)}
-    if teacher.reads_own_prompts:  # the student as its own teacher
-        return {"": student}
-    teachers = getattr(teacher, "teachers", None) or {"": teacher}
-    # A served teacher has no model in this process
-    return {name: None if t.model is None else matmul_parameters(t.model) for name, t in teachers.items()}
-
-
-def weighted_teacher_size(by_name: dict[str, int | None] | None, ledger: list[dict] | None) -> float | None:
-    """The teacher parameters a rollout token meets on average: 0 without a teacher, `None` if a teacher's size (a
-    served one's) or, for teachers of different sizes, each one's share of the supervised tokens is unknown."""
-    if not by_name:
-        return 0
-    sizes = set(by_name.values())
-    if None in sizes:
-        return None
-    if len(sizes) == 1:
-        return sizes.pop()
-    tokens = {name: sum(line.get(f"supervised_tokens/{name}", 0.0) for line in ledger or []) for name in by_name}
-    total = sum(tokens.values())
-    if not total:
-        return None
-    return sum(by_name[name] * tokens[name] for name in by_name) / total
 
 
 def target_change(out: Path) -> dict | None:

@@ -1,0 +1,137 @@
+"""Training compute counted from model sizes and tokens (DESIGN.md): 2 FLOPs per parameter per token for a forward
+pass and 6 for a forward and backward, attention's length-squared term left out (lab sequences are short).
+
+One count, [`ComputeCounter.split`], serves the run's total in `results.json` ([`~trl_statelens.runs.compute_counts`])
+and the per-step and cumulative `statelens/flops/*` of the state records ([`StateLoggingCallback`]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOPS_PARTS = ("student_generation", "student_training", "teacher")
+
+
+def matmul_parameters(model) -> int:
+    """Parameters a token's forward pass multiplies by: all of them but an untied input embedding (a lookup)."""
+    if model is None:
+        return 0
+    model = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    sizes = {id(p): getattr(p, "ds_numel", p.numel()) for p in model.parameters()}  # ZeRO-3: the full size
+    if head is not None and embedding.weight is not head.weight:
+        sizes.pop(id(embedding.weight), None)
+    return sum(sizes.values())
+
+
+def teacher_sizes(trainer, student: int) -> dict[str, int | None] | None:
+    """Each teacher's matmul parameters by name (`""` for a single teacher), `None` for one on a server; `None` when
+    the trainer has no teacher."""
+    teacher = getattr(trainer, "teacher", None)  # OnPolicyDistillTrainer's; stock trainers have a teacher_model
+    if teacher is None:
+        if getattr(trainer.args, "teacher_model_server_url", None):  # TRL's ServerDistillationTrainer
+            return {"": None}
+        model = getattr(trainer, "teacher_model", None)  # TRL's SDFTTrainer: the student itself or its copy
+        return None if model is None else {"": matmul_parameters(model)}
+    if teacher.reads_own_prompts:  # the student as its own teacher
+        return {"": student}
+    teachers = getattr(teacher, "teachers", None) or {"": teacher}
+    # A served teacher has no model in this process
+    return {name: None if t.model is None else matmul_parameters(t.model) for name, t in teachers.items()}
+
+
+def weighted_teacher_size(by_name: dict[str, int | None] | None, ledger: list[dict] | None) -> float | None:
+    """The teacher parameters a rollout token meets on average: 0 without a teacher, `None` if a teacher's size (a
+    served one's) or, for teachers of different sizes, each one's share of the supervised tokens is unknown."""
+    if not by_name:
+        return 0
+    sizes = set(by_name.values())
+    if None in sizes:
+        return None
+    if len(sizes) == 1:
+        return sizes.pop()
+    tokens = {name: sum(line.get(f"supervised_tokens/{name}", 0.0) for line in ledger or []) for name in by_name}
+    total = sum(tokens.values())
+    if not total:
+        return None
+    return sum(by_name[name] * tokens[name] for name in by_name) / total
+
+
+def tokens_seen(trainer) -> float:
+    """The tokens the trainer logs as `num_tokens`, so far (SFT: the tokens trained on; GRPO and distillation: the
+    rollouts' prompt and completion tokens, all ranks)."""
+    tokens = float(trainer.state.num_input_tokens_seen or getattr(trainer, "_total_train_tokens", 0) or 0)
+    if not tokens:
+        tokens = float(next((e["num_tokens"] for e in reversed(trainer.state.log_history) if "num_tokens" in e), 0))
+    return tokens
+
+
+@dataclass
+class ComputeCounter:
+    """What a trainer's FLOPs are counted from: the student's matmul parameters, each teacher's (`teacher_sizes`,
+    `None` without a teacher), and which passes run per token.
+
+    Per rollout token: the student samples it (2 N_S, `student_generation`), is trained on it (6 N_S) and, in GRPO
+    with `beta` > 0, the reference scores it (2 N_S; both `student_training`); a teacher scores it (2 N_T, `teacher`).
+    The `continuation` signal is counted as if the whole rollout stayed (an upper bound: the cut drops part of it):
+    the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout token and per supervised
+    token), scores them (the same again) and the student trains on them (6 N_S). A trainer that does not sample (SFT)
+    is trained on its tokens only (6 N_S).
+
+    N_T is the teacher's size: the student's for a self teacher (its privileged context's extra tokens not counted);
+    with several teachers, their sizes weighted by the tokens each supervised (`supervised_tokens/<name>`). A teacher
+    on a server has a size this process cannot know: its FLOPs are then `None`, and so is the total.
+    """
+
+    student: int
+    teacher_sizes: dict[str, int | None] | None
+    samples: bool
+    reference: bool
+    continuation: bool
+
+    @classmethod
+    def of(cls, trainer) -> ComputeCounter:
+        student = matmul_parameters(trainer.model)
+        args = trainer.args
+        samples = hasattr(args, "num_generations") or hasattr(trainer, "teacher_model")  # the learner samples
+        return cls(
+            student=student,
+            teacher_sizes=teacher_sizes(trainer, student),
+            samples=samples,
+            reference=samples and bool(getattr(args, "beta", 0.0)) and getattr(trainer, "ref_model", None) is not None,
+            continuation=getattr(args, "signal", None) == "continuation",
+        )
+
+    def teacher(self, supervised_by_teacher: dict | None = None) -> float | None:
+        """N_T, weighted by `supervised_by_teacher` (`supervised_tokens/<name>` totals) for teachers of several
+        sizes."""
+        if not self.samples:
+            return 0
+        return weighted_teacher_size(self.teacher_sizes, [supervised_by_teacher or {}])
+
+    def split(self, tokens: float, supervised: float, supervised_by_teacher: dict | None = None) -> dict:
+        """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
+        counts them) and `supervised` tokens."""
+        student, teacher = self.student, self.teacher(supervised_by_teacher)
+        parts = {
+            "student_generation": 2 * student * tokens if self.samples else 0.0,
+            "student_training": (6 + 2 * self.reference) * student * tokens,
+            "teacher": None if teacher is None else (2 + 2 * self.continuation) * teacher * tokens,
+        }
+        if self.continuation:
+            parts["student_training"] += 6 * student * supervised
+            if teacher is not None:
+                parts["teacher"] += 4 * teacher * supervised
+        known = [value for value in parts.values() if value is not None]
+        return {**parts, "total": sum(known) if len(known) == len(parts) else None}
+
+
+def ledger_totals(lines: list[dict]) -> dict[str, float]:
+    """The per-step counts of ledger lines (`steps.jsonl`) summed: `supervised_tokens`, `supervised_tokens/<name>`
+    and `teacher_tokens`, those the lines hold."""
+    totals = {}
+    for line in lines:
+        for key, value in line.items():
+            if key.split("/")[0] in ("supervised_tokens", "teacher_tokens") and value is not None:
+                totals[key] = totals.get(key, 0.0) + value
+    return totals
