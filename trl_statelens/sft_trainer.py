@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch.nn.functional as F
 from trl import SFTTrainer
 
@@ -53,6 +56,21 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         # The hook sees the loss's forward through any wrapper (DDP, DeepSpeed, PEFT): they all call this module
         self.model.register_forward_hook(self._record_fused_outputs, with_kwargs=True)
         attach_state_logging(self, state_logging)
+
+    # SFTTrainer counts the tokens trained on (`num_tokens`, and the run's FLOPs from it) in memory only: a resumed run
+    # would count from 0 again. The count travels with each checkpoint's RNG state, one file per process.
+    TOKENS_FILE = "statelens_sft_tokens_{rank}.json"
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        path = Path(output_dir) / self.TOKENS_FILE.format(rank=self.args.process_index)
+        path.write_text(json.dumps({"total_train_tokens": int(self._total_train_tokens)}))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = None if checkpoint is None else Path(checkpoint) / self.TOKENS_FILE.format(rank=self.args.process_index)
+        if path is not None and path.is_file():
+            self._total_train_tokens = json.loads(path.read_text())["total_train_tokens"]
 
     def _record_fused_outputs(self, module, args, kwargs, outputs) -> None:
         # Only the training loss: `fused_lm_head=True` marks it, and evaluation runs the model in eval mode
