@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_multiprocess import free_port, launch
+from launching import free_port, launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp2_two_ranks.py"
 FSDP2_CONFIG = Path(__file__).parents[1] / "recipes" / "accelerate" / "fsdp2.yaml"
@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 def two_ranks(launcher: list[str], *args, timeout: int) -> list[dict]:
     """Run the script on 2 processes with `launcher` and return each rank's report."""
     command = [*launcher, str(SCRIPT), *map(str, args)]
-    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=timeout, hang=f"no exit in {timeout} s")
     output_dir = Path(args[3])
+    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=timeout, outputs=output_dir)
     return [json.loads((output_dir / f"rank{i}.json").read_text()) for i in range(2)]
 
 

@@ -1,40 +1,33 @@
-"""Two processes (DDP over gloo on CPU): the ledger holds the states of both ranks, none lost, none repeated.
+"""Two processes (DDP over gloo on CPU, and DeepSpeed ZeRO): the ledger holds the states of both ranks, none lost,
+none repeated; teachers make as many collective calls on every rank.
 
-The script ends with `trainer.end()`, which destroys the process group. A rank that exits without it can abort
-("terminate called without an active exception", SIGABRT) when a gloo worker thread drops the last reference to a
-collective's tensor while the interpreter is shutting down: the thread then needs the GIL, and a thread that asks
-for it during finalization is ended with `pthread_exit`, which C++ turns into `std::terminate`. Seen once in CI
-(2026-11-30) and retried then; 0 aborts in 58 runs of this test without `end()` on a loaded 2-core machine; a rank
-aborts in 15 of 40 runs of `tests/scripts/gloo_exit_abort.py` (a collective that completes during shutdown) and in
-none of 30 with the process group destroyed first.
+Each script ends with `trainer.end()` (or `accelerator.end_training()`), which destroys the process group. A rank that
+exits without it can abort ("terminate called without an active exception", SIGABRT) when a gloo worker thread drops
+the last reference to a collective's tensor while the interpreter is shutting down: the thread then needs the GIL,
+and a thread that asks for it during finalization is ended with `pthread_exit`, which C++ turns into
+`std::terminate`. 0 aborts in 58 runs of the DDP test without `end()` on a loaded 2-core machine; a rank aborts in 15
+of 40 runs of `tests/scripts/gloo_exit_abort.py` (a collective that completes during shutdown) and in none of 30 with
+the process group destroyed first. Under DeepSpeed gloo's groups outlive it: `tests/launching.py` says what a launch
+forgives then, and why.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import free_port, launch, run_ranks
 from vllm_test_server import TestTeacherServer
 
 SCRIPT = Path(__file__).parent / "scripts" / "statelens_two_ranks.py"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch_zero3(
-    script: str, *args, timeout: int, hang: str, stage: int = 3, mixed_precision: str = "no",
+    script: str, *args, outputs: Path, timeout: int, hang: str, stage: int = 3, mixed_precision: str = "no",
     launch_args: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
     """`accelerate launch` two ZeRO-3 (or `stage`) ranks of `tests/scripts/<script>` with `args` (and `launch_args`
-    for the launcher; see `launch`)."""
+    for the launcher), writing into `outputs` (see `launching.launch`)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).parents[1] / "recipes" / "accelerate" / f"zero{stage}.yaml"
     command = [
@@ -42,42 +35,19 @@ def launch_zero3(
         "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), *launch_args,
         str(SCRIPT.parent / script), *map(str, args),
     ]  # fmt: skip
-    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=timeout, hang=hang)
-
-
-def launch(command: list[str], env: dict, timeout: int, hang: str) -> None:
-    """Run a multi-process `command` (one thread per rank, `env` added), asserting that it exits 0. A run still going
-    after `timeout` s fails with `hang`, as a deadlock of the ranks' collectives would: the launcher is stopped with
-    SIGTERM, on which torch's elastic agent ends the ranks (it starts each in a session of its own, which a kill of
-    the launcher's group would leave running), then killed whole after 60 s."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = run.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGTERM)
-        try:
-            _, stderr = run.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
-            _, stderr = run.communicate()
-        pytest.fail(f"{hang}: {stderr[-2000:]}")
-    assert run.returncode == 0, stderr[-4000:]
+    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=timeout, hang=hang, outputs=outputs)
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
     accelerate = Path(sys.executable).parent / "accelerate"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [
         str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(SCRIPT), str(student_path), str(tmp_path),
     ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=300, outputs=tmp_path)
 
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for rank in ranks:  # what actually ran: two processes, distributed data parallel over gloo
@@ -121,6 +91,7 @@ def test_zero3_opd_with_teacher_states_when_a_rank_draws_none(tmp_path, student_
         "opd_zero3_teacher_mix.py",
         student_path,
         tmp_path,
+        outputs=tmp_path,
         timeout=480,
         hang="ZeRO-3 ranks deadlocked (no exit in 480 s; a loaded 2-core machine once took 246 s)",
     )
@@ -143,6 +114,7 @@ def test_zero3_opd_with_two_teachers_when_the_ranks_draw_different_ones(tmp_path
         student_path,
         teacher_path,
         tmp_path,
+        outputs=tmp_path,
         timeout=480,
         hang="ZeRO-3 ranks deadlocked with two teachers (no exit in 480 s)",
     )
@@ -195,6 +167,7 @@ def test_zero3_teachers_with_rows_split_unevenly_across_ranks_run_as_many_forwar
         student_path,
         teacher_path,
         tmp_path,
+        outputs=tmp_path,
         timeout=480,
         hang="ZeRO-3 ranks deadlocked with teachers split unevenly (no exit in 480 s)",
         launch_args=("--gradient_accumulation_steps", "2"),
@@ -224,6 +197,7 @@ def test_zero3_served_divergence_calls_the_output_layer_as_often_on_every_rank(t
             student_path,
             server.url,
             tmp_path,
+            outputs=tmp_path,
             timeout=480,
             hang="ZeRO-3 ranks deadlocked in the served divergence (no exit in 480 s)",
         )
@@ -255,15 +229,7 @@ def test_another_runs_ledger_is_refused_on_every_rank(tmp_path, student_path):
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(SCRIPT.parent / "ledger_refused_two_ranks.py"), str(student_path), str(tmp_path),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = launch.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        _, stderr = launch.communicate()
-        pytest.fail(f"a rank hung (no exit in 180 s): {stderr[-2000:]}")
+    stderr = run_ranks(command, {"TOKENIZERS_PARALLELISM": "false"}, 180, "a rank hung (no exit in 180 s)").stderr
     outcomes = [
         (tmp_path / f"rank{i}.txt").read_text() if (tmp_path / f"rank{i}.txt").exists() else None for i in (0, 1)
     ]
@@ -288,6 +254,7 @@ def test_zero3_self_teachers_train_with_and_without_a_copy(tmp_path, student_pat
         "opd_zero3_self_teacher.py",
         student_path,
         tmp_path,
+        outputs=tmp_path,
         timeout=600,
         hang="ZeRO-3 ranks did not finish in 600 s",
     )
@@ -325,7 +292,7 @@ def test_bf16_ema_self_teacher_averages_in_fp32_under_deepspeed(tmp_path, studen
     with the bf16 teacher its cast, also after the step at which ZeRO-3 keeps small parameters gathered; under
     ZeRO-3 a resumed run continues the saved average exactly."""
     launch_zero3(
-        "opd_bf16_ema.py", student_path, tmp_path, stage, stage=stage, mixed_precision="bf16", timeout=480,
+        "opd_bf16_ema.py", student_path, tmp_path, stage, outputs=tmp_path, stage=stage, mixed_precision="bf16", timeout=480,
         hang=f"ZeRO-{stage} ranks did not finish in 480 s",
     )  # fmt: skip
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]

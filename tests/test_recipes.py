@@ -1,16 +1,14 @@
 """The recipes end to end on `test`-size lab models: one process, DDP, DeepSpeed ZeRO-2 and ZeRO-3, stock baselines."""
 
 import json
-import os
 import runpy
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from launching import free_port, launch
 from trl import DistillationConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
 
 from trl_statelens import OnPolicyDistillConfig
@@ -274,12 +272,6 @@ def test_missing_teacher_and_missing_model_fail_before_training(tmp_path, monkey
 
 
 # ----- several processes: assert what actually ran --------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
@@ -301,9 +293,7 @@ def test_recipe_under_accelerate_launch(tmp_path, student_path, teacher_path, ac
         "--output_dir", str(out), *TINY_RUN, *RECIPE_FLAGS[recipe],
         "--target_eval_steps", "1", "--target_eval_limit", "2",  # every rank generates: ZeRO-3 needs them all
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=600, outputs=out)
     results = json.loads((out / "results.json").read_text())
     ran = results["distributed"]
     assert ran["num_processes"] == 2
@@ -368,9 +358,7 @@ def test_lora_sft_teacher_under_zero3(tmp_path, monkeypatch, student_path, confi
         "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4",
         "--continuation_length", "2", *ON_CPU_TINY,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch(command, {"DS_ACCELERATOR": "cpu"}, timeout=300, outputs=out)
     results = json.loads((out / "results.json").read_text())
     assert results["global_steps"] == 1 and results["teacher"] == str(sft_out)
     assert results["trainer"] == ("DistillationTrainer" if baseline == "stock" else "OnPolicyDistillTrainer")

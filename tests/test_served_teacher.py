@@ -4,7 +4,6 @@
 import json
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_settings import CPU
+from launching import free_port, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import ModelConfig
 from vllm_test_server import TestTeacherServer
@@ -23,12 +23,6 @@ from trl_statelens.records import source_code
 from trl_statelens.teachers import TeacherServerClient, TeacherServerError
 
 TWO_RANKS = Path(__file__).parent / "scripts" / "served_teacher_two_ranks.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -749,15 +743,13 @@ def test_recipe_stock_arm_runs_server_distillation_with_our_loss_at_beta_0(
 @pytest.mark.slow
 def test_two_ranks_score_their_own_rows_through_the_server(tmp_path, teacher_server, teacher, student_path):
     accelerate = Path(sys.executable).parent / "accelerate"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     before = teacher_server.requests
     command = [
         str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(TWO_RANKS), str(student_path), teacher_server.url, str(tmp_path),
     ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=300, outputs=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert all(rank["world_size"] == 2 for rank in ranks)
     # each rank sent its vocabulary probe and one scoring request per step, for its own rows
