@@ -1,0 +1,108 @@
+"""What a teacher knows beyond the student on real GSM8K, before any training: SmolLM2-135M-Instruct's greedy answers
+to dev problems behind the student's prompt and behind each teacher view (the self teacher's privileged prompts).
+
+    python recipes/studies/real_teacher_advantage.py [--data ../shared/data] [--n 32] [--out runs/real-study]
+
+Views, all in the model's chat template:
+- `student`: the question alone (what the student sees);
+- `shots`: 4 solved train problems, then the question, in one user message (a few-shot self teacher);
+- `solution`: the question with its own reference solution and "now solve it yourself" (the self-distillation
+  recipe's teacher, `recipes/configs/real/self_distill.yaml`).
+Each teacher view is what a self teacher with that `TEMPLATES` entry as its `teacher_prompt_template` reads.
+
+Dev problems: GSM8K train rows held out from training (`real_splits`); the test split is not read. Prints and writes
+`teacher_advantage.json`: per view, strict (`#### N`) and flexible (last number) accuracy, the share of answers with
+a `#### N` line (what lm-eval's strict-match reads), and the mean answer length in tokens.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_statelens.answers import extract_answer
+from trl_statelens.data import chat_prompt, read_gsm8k_rows
+from trl_statelens.evaluation.gsm8k import GSM8KTask
+from trl_statelens.real_models import SMOLLM2
+from trl_statelens.runs import resolve_model
+
+DEV_SIZE, NUM_SHOTS, SPLIT_SEED = 200, 4, 2026
+# Self-teacher templates (`teacher_prompt_template`): {prompt} is the student's user message, {privileged_context}
+# the row's reference solution (`solution`) or NUM_SHOTS solved train problems (`shots`, `shots_context`)
+TEMPLATES = {
+    "solution": "{prompt}\n\nHere is a worked solution to this problem:\n{privileged_context}\n\n"
+    "Now solve the problem yourself, step by step.",
+    "shots": "Here are solved examples:\n\n{privileged_context}\n\nSolve this problem the same way, ending with "
+    "the line #### followed by the answer.\nQuestion: {prompt}",
+}
+
+
+def real_splits(data: Path) -> tuple[list[dict], list[dict]]:
+    """GSM8K's train rows split once, by a fixed seed, into a dev set of DEV_SIZE rows and the training pool."""
+    rows = read_gsm8k_rows(str(data / "gsm8k"), "train")
+    order = random.Random(SPLIT_SEED).sample(range(len(rows)), len(rows))
+    return [rows[i] for i in order[:DEV_SIZE]], [rows[i] for i in order[DEV_SIZE:]]
+
+
+def shots_context(pool: list[dict]) -> str:
+    """NUM_SHOTS solved train problems as text (the pool is in a seeded random order already)."""
+    return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in pool[:NUM_SHOTS])
+
+
+def view_prompts(view: str, rows: list[dict], pool: list[dict]) -> list[list[dict]]:
+    """Each row's conversation as the student (`student`) or a self teacher with that template sees it."""
+    if view == "student":
+        return [chat_prompt(r["question"]) for r in rows]
+    contexts = [r["answer"] if view == "solution" else shots_context(pool) for r in rows]
+    return [
+        [{"role": "user", "content": TEMPLATES[view].format(prompt=r["question"], privileged_context=c)}]
+        for r, c in zip(rows, contexts)
+    ]
+
+
+def main(data: Path, n: int, out: Path, max_new_tokens: int) -> dict:
+    if not (data / "gsm8k").is_dir():
+        sys.exit(f"needs real GSM8K at {data / 'gsm8k'} (see ../shared/data/README.md)")
+    path = resolve_model(SMOLLM2)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    dev, pool = real_splits(data)
+    rows = dev[:n]
+    task = GSM8KTask(str(data / "gsm8k"), "train", prompt_format="chat", max_new_tokens=max_new_tokens)
+    results = {}
+    for view in ("student", "shots", "solution"):
+        prompts = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in view_prompts(view, rows, pool)
+        ]
+        outputs = task.generate(model, tokenizer, prompts, progress=False)
+        scores = [
+            task.score(o, {"ground_truth": extract_answer(r["answer"], "strict")}) for o, r in zip(outputs, rows)
+        ]
+        results[view] = {
+            "accuracy_strict": statistics.mean(s["correct_strict"] for s in scores),
+            "accuracy_flexible": statistics.mean(s["correct_flexible"] for s in scores),
+            "answer_found": statistics.mean(s["answer_found"] for s in scores),
+            "mean_tokens": statistics.mean(len(tokenizer(o)["input_ids"]) for o in outputs),
+            "example": outputs[0],
+        }
+        print(view, {k: v for k, v in results[view].items() if k != "example"}, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "teacher_advantage.json").write_text(
+        json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2)
+    )
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--n", type=int, default=32)
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
+    args = parser.parse_args()
+    main(args.data, args.n, args.out, args.max_new_tokens)
