@@ -147,6 +147,23 @@ def test_k_shot_exemplars_come_from_train_and_never_the_row_itself(tmp_path):
     assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant", "user"]
 
 
+def test_context_shots_give_a_self_teacher_solved_problems_instead_of_the_solution(tmp_path):
+    folder = tmp_path / "gsm8k"
+    write_jsonl(folder / "train.jsonl", ROWS)
+    rows = load_gsm8k(folder, "train", prompt_format="chat", context_shots=2)
+    for row in rows:
+        blocks = row["privileged_context"].split("\n\n")
+        shown = [b.split("\nAnswer: ")[0].removeprefix("Question: ") for b in blocks]
+        assert len(blocks) == 2 and all(b.startswith("Question: ") and "\nAnswer: " in b for b in blocks)
+        assert row["question"] not in shown and row["answer"] not in row["privileged_context"]
+        assert row["prompt"] == [{"role": "user", "content": row["question"]}]  # the student sees no shot
+    # the same solved problems for every row whose question is not among them
+    contexts = {r["privileged_context"] for r in rows}
+    assert 1 <= len(contexts) <= 3
+    plain = load_gsm8k(folder, "train")
+    assert [r["privileged_context"] for r in plain] == [r["answer"] for r in ROWS]
+
+
 def test_limit_is_a_seeded_subset_in_source_order(tmp_path):
     path = write_jsonl(tmp_path / "test.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(50)])
     a = load_gsm8k(path, "test", limit=10, seed=1)["question"]

@@ -180,9 +180,11 @@ def chat_prompt(question: str, shots: list[dict] = ()) -> list[dict]:
     return messages + [{"role": "user", "content": question}]
 
 
-def gsm8k_example(row: dict, prompt_format: str = "plain", shots: list[dict] = ()) -> dict:
-    """One prompt/completion example, keeping ``question``, ``answer``, the ``ground_truth`` final answer and the
-    worked solution as ``privileged_context``."""
+def gsm8k_example(
+    row: dict, prompt_format: str = "plain", shots: list[dict] = (), context_shots: list[dict] = ()
+) -> dict:
+    """One prompt/completion example, keeping ``question``, ``answer``, the ``ground_truth`` final answer and, as
+    ``privileged_context``, the worked solution (or, with ``context_shots``, those solved problems instead)."""
     if prompt_format == "plain":
         prompt, completion = plain_prompt(row["question"], shots), " " + row["answer"]
     elif prompt_format == "chat":
@@ -196,8 +198,14 @@ def gsm8k_example(row: dict, prompt_format: str = "plain", shots: list[dict] = (
         "question": row["question"],
         "answer": row["answer"],
         "ground_truth": extract_answer(row["answer"], "strict"),
-        "privileged_context": row["answer"],  # the reference solution, shown to a self teacher only
+        # shown to a self teacher only: the reference solution, or solved problems
+        "privileged_context": shots_text(context_shots) if context_shots else row["answer"],
     }
+
+
+def shots_text(shots: list[dict]) -> str:
+    """Solved problems as one text (a self teacher's privileged context): ``Question: ...`` / ``Answer: ...`` blocks."""
+    return "\n\n".join(f"Question: {s['question']}\nAnswer: {s['answer']}" for s in shots)
 
 
 def pick_shots(pool: list[dict], num_shots: int, seed: int) -> list[dict]:
@@ -222,17 +230,27 @@ def gsm8k_examples(
     limit: int | None = None,
     seed: int = 0,
     lab_seed: int = 0,
+    context_shots: int = 0,
 ) -> list[dict]:
     """The rows of :func:`load_gsm8k` as a list of dicts (what the evaluation iterates over)."""
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"unknown prompt_format {prompt_format!r}: use one of {PROMPT_FORMATS}")
     all_rows = read_gsm8k_rows(source, split, lab_seed)
     rows = seeded_subset(all_rows, limit, seed)
-    shots = []
-    if num_shots > 0:  # exemplars always come from the train split
+    shots, context = [], []
+    if num_shots > 0 or context_shots > 0:  # exemplars always come from the train split
         pool = all_rows if split == "train" else read_gsm8k_rows(source, "train", lab_seed)
         shots = pick_shots(pool, num_shots, seed)
-    return [gsm8k_example(r, prompt_format, shots_for(r["question"], shots, num_shots)) for r in rows]
+        context = pick_shots(pool, context_shots, seed + 1)  # other draws than the prompt's shots
+    return [
+        gsm8k_example(
+            r,
+            prompt_format,
+            shots_for(r["question"], shots, num_shots),
+            shots_for(r["question"], context, context_shots),
+        )
+        for r in rows
+    ]
 
 
 def load_gsm8k(
@@ -244,6 +262,7 @@ def load_gsm8k(
     limit: int | None = None,
     seed: int = 0,
     lab_seed: int = 0,
+    context_shots: int = 0,
 ) -> Dataset:
     """GSM8K as a prompt/completion :class:`datasets.Dataset` for TRL's SFT, GRPO and distillation trainers.
 
@@ -256,12 +275,16 @@ def load_gsm8k(
         limit: keep this many rows, a random subset drawn with ``seed`` (in source order).
         seed: seed of the subset and of the exemplar choice.
         lab_seed: seed of the :class:`~trl_statelens.lab.LabWorld` when ``source="lab"``.
+        context_shots: make each row's ``privileged_context`` this many solved train problems (the same for every
+            row, never the row itself; drawn apart from the prompt's shots) instead of its own worked solution: a self
+            teacher shown worked examples rather than the answer.
 
     Returns:
         A data set with columns ``prompt``, ``completion``, ``question``, ``answer``, ``ground_truth`` and
-        ``privileged_context`` (the worked solution, for a self teacher).
+        ``privileged_context`` (the worked solution, or ``context_shots`` solved problems, for a self teacher).
     """
     examples = gsm8k_examples(
-        source, split, prompt_format=prompt_format, num_shots=num_shots, limit=limit, seed=seed, lab_seed=lab_seed
-    )
+        source, split, prompt_format=prompt_format, num_shots=num_shots, limit=limit, seed=seed, lab_seed=lab_seed,
+        context_shots=context_shots,
+    )  # fmt: skip
     return Dataset.from_list(examples)

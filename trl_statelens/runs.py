@@ -52,6 +52,8 @@ class RecipeArguments:
         dataset_name: training data: `"lab"` (the offline world), a hub id (`"openai/gsm8k"`) or a local file/folder.
         prompt_format: `"plain"` (`Question: ...\\nAnswer:`, the study's format for base models) or `"chat"`.
         train_size: keep this many training rows (a seeded subset); all when unset.
+        context_shots: a self teacher's privileged context is this many solved train problems (the same for every
+            row) instead of each row's reference solution; 0 (default) for the solution.
         eval_data: evaluation data: `"lab"`, `"hub"` (GSM8K, TruthfulQA, MMLU from the hub) or a folder with
             `gsm8k/`, `truthfulqa/`, `mmlu/`.
         eval_tasks: comma-separated tasks to score before and after training (`gsm8k,truthfulqa,mmlu`); empty for none.
@@ -87,6 +89,7 @@ class RecipeArguments:
     dataset_name: str = LAB
     prompt_format: str = "plain"
     train_size: int | None = None
+    context_shots: int = 0
     eval_data: str = LAB
     eval_tasks: str = "gsm8k,truthfulqa,mmlu"
     eval_limit: str | None = None
@@ -109,6 +112,10 @@ class RecipeArguments:
             raise ValueError(f"--baseline must be 'statelens' or 'stock', got {self.baseline!r}")
         if self.eval_protocol not in ("statelens", "lm-eval"):
             raise ValueError(f"--eval_protocol must be 'statelens' or 'lm-eval', got {self.eval_protocol!r}")
+        if self.context_shots < 0:
+            raise ValueError(
+                f"--context_shots is a number of solved problems (0 for the solution), got {self.context_shots}"
+            )
         if self.eval_split not in ("test", "dev"):
             raise ValueError(f"--eval_split must be 'test' or 'dev', got {self.eval_split!r}")
         if self.eval_samples < 0:
@@ -148,7 +155,7 @@ def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
 def load_train_data(args: RecipeArguments, seed: int):
     return load_gsm8k(
         args.dataset_name, "train", prompt_format=args.prompt_format, limit=args.train_size, seed=seed,
-        lab_seed=args.lab_seed,
+        lab_seed=args.lab_seed, context_shots=args.context_shots,
     )  # fmt: skip
 
 

@@ -25,12 +25,13 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens.answers import extract_answer
-from trl_statelens.data import chat_prompt, read_gsm8k_rows
+from trl_statelens.data import chat_prompt, pick_shots, read_gsm8k_rows, shots_text
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
 from trl_statelens.runs import resolve_model
 
 DEV_SIZE, NUM_SHOTS, SPLIT_SEED = 200, 4, 2026
+VIEWS = ("student", "shots", "solution")
 # Self-teacher templates (`teacher_prompt_template`): {prompt} is the student's user message, {privileged_context}
 # the row's reference solution (`solution`) or NUM_SHOTS solved train problems (`shots`, `shots_context`)
 TEMPLATES = {
@@ -48,9 +49,10 @@ def real_splits(data: Path) -> tuple[list[dict], list[dict]]:
     return [rows[i] for i in order[:DEV_SIZE]], [rows[i] for i in order[DEV_SIZE:]]
 
 
-def shots_context(pool: list[dict]) -> str:
-    """NUM_SHOTS solved train problems as text (the pool is in a seeded random order already)."""
-    return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in pool[:NUM_SHOTS])
+def shots_context(pool: list[dict], seed: int = 0) -> str:
+    """The NUM_SHOTS solved problems a recipe run with `--context_shots` and training seed `seed` shows its teacher,
+    its training data being `pool` (`load_gsm8k` draws them so)."""
+    return shots_text(pick_shots(pool, NUM_SHOTS, seed + 1)[:NUM_SHOTS])
 
 
 def view_prompts(view: str, rows: list[dict], pool: list[dict]) -> list[list[dict]]:
@@ -64,7 +66,7 @@ def view_prompts(view: str, rows: list[dict], pool: list[dict]) -> list[list[dic
     ]
 
 
-def main(data: Path, n: int, out: Path, max_new_tokens: int) -> dict:
+def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS) -> dict:
     if not (data / "gsm8k").is_dir():
         sys.exit(f"needs real GSM8K at {data / 'gsm8k'} (see ../shared/data/README.md)")
     path = resolve_model(SMOLLM2)
@@ -73,8 +75,9 @@ def main(data: Path, n: int, out: Path, max_new_tokens: int) -> dict:
     dev, pool = real_splits(data)
     rows = dev[:n]
     task = GSM8KTask(str(data / "gsm8k"), "train", prompt_format="chat", max_new_tokens=max_new_tokens)
-    results = {}
-    for view in ("student", "shots", "solution"):
+    saved = out / "teacher_advantage.json"
+    results = json.loads(saved.read_text())["views"] if saved.exists() else {}  # the views not measured again
+    for view in views:
         prompts = [
             tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
             for p in view_prompts(view, rows, pool)
@@ -92,9 +95,7 @@ def main(data: Path, n: int, out: Path, max_new_tokens: int) -> dict:
         }
         print(view, {k: v for k, v in results[view].items() if k != "example"}, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "teacher_advantage.json").write_text(
-        json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2)
-    )
+    saved.write_text(json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
     return results
 
 
@@ -104,5 +105,6 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
+    parser.add_argument("--views", nargs="+", default=list(VIEWS), choices=VIEWS, help="measure these again")
     args = parser.parse_args()
-    main(args.data, args.n, args.out, args.max_new_tokens)
+    main(args.data, args.n, args.out, args.max_new_tokens, args.views)
