@@ -29,6 +29,7 @@ from common import (
     backbone,
     count_parameters,
     count_saved_parameters,
+    keep_token_batches,
     print_table,
     ratio_row,
     run_forked,
@@ -119,16 +120,7 @@ def run_arm(
             train_dataset=dataset,
             processing_class=tokenizer,
         )
-    batches = []
-    if with_floor:  # keep the token batches the steps train on, for the floor
-        generate_and_score = trainer._generate_and_score_completions
-
-        def keep_batch(inputs):
-            output = generate_and_score(inputs)
-            batches.append({k: output[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")})
-            return output
-
-        trainer._generate_and_score_completions = keep_batch
+    batches = keep_token_batches(trainer) if with_floor else []  # the token batches the steps train on
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
     modules = {"student": backbone(trainer.model), "teacher": backbone(teacher)}
     result = train_and_measure(trainer, modules, WARMUP_STEPS)

@@ -42,6 +42,7 @@ from common import (
     run_forked,
     say,
     scratch_dir,
+    timed,
     train_and_measure,
     write_results,
 )
@@ -96,17 +97,6 @@ def run_arm(arm, student_path, teacher_path, url, dataset, steps, gradient_accum
     result.update({key: values[WARMUP_STEPS:] for key, values in timings.items()})
     result["teacher_kl"] = [e["teacher_kl/sampled"] for e in trainer.state.log_history if "teacher_kl/sampled" in e]
     return result
-
-
-def timed(fn, seconds: list):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    return wrapper
 
 
 def peak_rss_mb(pid: int) -> float:

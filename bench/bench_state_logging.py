@@ -28,6 +28,7 @@ from common import (
     run_forked,
     say,
     scratch_dir,
+    timed,
     train_and_measure,
     write_results,
 )
@@ -112,19 +113,10 @@ def run_arm(
     # Time our own code directly: the recording in the loss and the callback at the end of each step
     own_seconds = {"record_states": [], "callback_step_end": []}
 
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            value = fn(*args, **kwargs)
-            own_seconds[name].append(time.perf_counter() - start)
-            return value
-
-        return wrapper
-
     if arm != "stock":
-        trainer._record_states = timed("record_states", trainer._record_states)
+        trainer._record_states = timed(trainer._record_states, own_seconds["record_states"])
         callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StateLoggingCallback))
-        callback.on_step_end = timed("callback_step_end", callback.on_step_end)
+        callback.on_step_end = timed(callback.on_step_end, own_seconds["callback_step_end"])
 
     result = train_and_measure(trainer, {"model": backbone(trainer.model)}, WARMUP_STEPS)
     result["own_seconds"] = {name: values[WARMUP_STEPS:] for name, values in own_seconds.items()}

@@ -151,6 +151,34 @@ def train_and_measure(trainer, modules: dict, warmup_steps: int) -> dict:
 
 
 # ----- forked runs ------------------------------------------------------------------------------------------------
+def timed(fn, seconds: list):
+    """`fn`, appending each call's wall time in seconds to `seconds`."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def keep_token_batches(trainer) -> list[dict]:
+    """Make an on-policy `trainer` keep the token tensors of each generation batch it trains on (prompt and completion
+    ids and masks), for a floor measured on the very same batches; returns the list it fills."""
+    batches = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def keep_batch(inputs):
+        output = generate_and_score(inputs)
+        batches.append({k: output[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")})
+        return output
+
+    trainer._generate_and_score_completions = keep_batch
+    return batches
+
+
 def run_forked(fn, *args, **kwargs):
     """`fn(*args, **kwargs)` in a forked child; returns its JSON-able result. Each run starts from the parent's state
     (modules imported, nothing trained), so runs do not see each other's heap and the peak RSS is the run's own."""

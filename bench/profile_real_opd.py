@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from bench_opd import measure_floor
-from common import CPU_ARGS, run_forked, say, scratch_dir, write_results
+from common import CPU_ARGS, keep_token_batches, run_forked, say, scratch_dir, timed, write_results
 from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOTrainer
 
@@ -88,22 +88,14 @@ def run_arm(arm: str, model_path: str, tokens: int, steps: int) -> dict:
     dataset = load_gsm8k(DATA, "train", prompt_format="chat", limit=64, seed=0)
     parts = {}
 
-    def timed(cls, name, part):
-        method = getattr(cls, name)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            value = method(*args, **kwargs)
-            parts.setdefault(part, []).append(time.perf_counter() - start)
-            return value
-
-        setattr(cls, name, wrapper)
-
-    timed(GRPOTrainer, "_generate_single_turn", "generation")
-    timed(InProcessTeacher, "score", "teacher_scoring")
-    timed(OnPolicyDistillTrainer, "_prepare_inputs", "rollouts")  # generation, scoring and GRPO's bookkeeping
-    timed(OnPolicyDistillTrainer, "training_step", "training_step")  # the rollouts (when due), forward, backward
-    timed(StateLoggingCallback, "on_step_end", "records")
+    for cls, name, part in (
+        (GRPOTrainer, "_generate_single_turn", "generation"),
+        (InProcessTeacher, "score", "teacher_scoring"),
+        (OnPolicyDistillTrainer, "_prepare_inputs", "rollouts"),  # generation, scoring and GRPO's bookkeeping
+        (OnPolicyDistillTrainer, "training_step", "training_step"),  # the rollouts (when due), forward, backward
+        (StateLoggingCallback, "on_step_end", "records"),
+    ):
+        setattr(cls, name, timed(getattr(cls, name), parts.setdefault(part, [])))
     args = OnPolicyDistillConfig(
         scratch_dir(f"profile-real-{arm}-"),
         max_steps=1 + steps,
@@ -129,15 +121,7 @@ def run_arm(arm: str, model_path: str, tokens: int, steps: int) -> dict:
         callbacks=[timer],
         peft_config=peft_config,
     )
-    batches = []
-    generate_and_score = trainer._generate_and_score_completions
-
-    def keep_batch(inputs):
-        output = generate_and_score(inputs)
-        batches.append({k: output[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")})
-        return output
-
-    trainer._generate_and_score_completions = keep_batch
+    batches = keep_token_batches(trainer)
     trainer.train()
     measured = {part: values[1:] for part, values in parts.items()}  # the first call of each: the warm-up step
     # One micro-batch a step: the step's forward and backward is its training_step without the rollouts
