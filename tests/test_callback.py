@@ -476,3 +476,45 @@ def test_seeded_rng_on_mps_seeds_that_generator_and_restores_it(fake_mps):
     assert fake_mps.state.item() == 7 and torch.equal(torch.get_rng_state(), cpu_state)
     with seeded_rng(torch.device("mps"), 3):
         assert torch.equal(torch.rand(3), inside)
+
+
+def test_max_flops_stops_at_the_first_step_whose_flops_total_reaches_it(
+    tmp_path, student_path, tokenizer, math_dataset
+):
+    """A baseline at another run's compute: the run stops after the step at which `flops_total/total` first reaches
+    `max_flops`, however many tokens its steps hold; `max_steps` alone would have run on."""
+
+    def sft(name, max_steps, callback):
+        args = SFTConfig(
+            output_dir=str(tmp_path / name), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=0.0,
+            max_length=128, **CPU,
+        )  # fmt: skip
+        trainer = StateLensSFTTrainer(
+            model=str(student_path), args=args, train_dataset=math_dataset, processing_class=tokenizer,
+            callbacks=[callback],
+        )  # fmt: skip
+        trainer.train()
+        return trainer, read_jsonl(tmp_path / name / "statelens" / "steps.jsonl")
+
+    _, free = sft("free", 4, StateLoggingCallback())
+    totals = [line["flops_total/total"] for line in free]
+    assert totals == sorted(totals) and totals[0] > 0 and len(set(totals)) == 4
+    budget = (totals[1] + totals[2]) / 2  # more than step 2 had, less than step 3's
+    trainer, capped = sft("capped", 10, StateLoggingCallback(max_flops=budget))
+    assert trainer.state.global_step == 3
+    assert [line["flops_total/total"] for line in capped] == pytest.approx(totals[:3])
+
+
+def test_max_flops_is_refused_where_no_flops_total_is_counted(tmp_path, student_path, tokenizer, math_dataset):
+    from trl_statelens.runs import RecipeArguments
+
+    with pytest.raises(ValueError, match="max_flops is a number of training FLOPs"):
+        StateLoggingCallback(max_flops=0)
+    with pytest.raises(ValueError, match="--max_flops .* stock trainer"):
+        RecipeArguments(max_flops=1e12, baseline="stock")
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, **CPU)
+    stock = SFTTrainer(model=str(student_path), args=args, train_dataset=math_dataset, processing_class=tokenizer)
+    stock.add_callback(StateLoggingCallback(stock, max_flops=1e12))
+    with pytest.raises(ValueError, match="max_flops needs the run's FLOPs total, which SFTTrainer"):
+        stock.train()
+    assert stock.state.global_step == 0

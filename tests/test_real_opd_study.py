@@ -33,3 +33,99 @@ def test_a_candidate_without_a_score_at_a_step_stops_the_rule(tmp_path):
     write_curve(tmp_path, "C2", {10: 0.2, 20: 0.3, 40: 0.3})
     with pytest.raises(ValueError, match=r"no dev score at steps \[30\]"):
         study.choose(tmp_path, base=0.1, steps=[10, 20, 30, 40])
+
+
+# ----- test phase ---------------------------------------------------------------------------------------------------
+def write_gsm8k(folder: Path, world) -> None:
+    """A GSM8K folder of lab problems: `train.jsonl` the pool, `test.jsonl` the scored split."""
+    study.write_rows(folder, {"train": world.math("train", n=12), "test": world.math("test", n=10)})
+
+
+@pytest.mark.parametrize("view", ["solution", "shots"])
+def test_the_teacher_is_scored_on_the_students_items_behind_its_own_view(tmp_path, world, tokenizer, view):
+    from real_teacher_advantage import shots_context
+
+    from trl_statelens.data import read_gsm8k_rows
+
+    write_gsm8k(tmp_path, world)
+    pool = read_gsm8k_rows(str(tmp_path), "train")
+    student = study.GSM8KTask(str(tmp_path), "test", prompt_format="chat", limit=4)
+    teacher = study.TeacherViewTask(view, pool, source=str(tmp_path), split="test", prompt_format="chat", limit=4)
+    examples = student.examples()
+    assert [e["question"] for e in teacher.examples()] == [e["question"] for e in examples]
+    for prompt, example in zip(teacher.prompt_texts(tokenizer), examples):
+        assert example["question"] in prompt
+        assert (example["answer"] if view == "solution" else shots_context(pool)) in prompt
+        assert prompt.endswith(student.prompt_texts(tokenizer)[0][-20:])  # the chat template's assistant turn
+
+
+def test_reference_nll_is_the_models_loss_on_the_solution_tokens(tmp_path, world, student_path):
+    """Per item, the mean NLL of the reference solution's tokens after the student's chat prompt: the model's own
+    loss with the prompt's labels masked."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    write_gsm8k(tmp_path / "gsm8k", world)
+    nll = study.reference_nll(str(student_path), tmp_path, smoke=True)
+    tokenizer = AutoTokenizer.from_pretrained(student_path)
+    model = AutoModelForCausalLM.from_pretrained(student_path).eval()
+    examples = study.GSM8KTask(str(tmp_path / "gsm8k"), "test", prompt_format="chat", limit=2).examples()
+    assert sorted(nll) == sorted(e["question"] for e in examples)
+    for e in examples:
+        prompt = tokenizer.apply_chat_template(
+            study.chat_prompt(e["question"]), add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt_ids + tokenizer(e["answer"], add_special_tokens=False)["input_ids"]])
+        labels = ids.clone()
+        labels[0, : len(prompt_ids)] = -100
+        with torch.no_grad():
+            assert nll[e["question"]] == pytest.approx(model(ids, labels=labels).loss.item(), rel=1e-5)
+
+
+def write_items(path: Path, gsm8k: list[tuple[str, str | None, bool]], truthfulqa: list[tuple[str, float]]) -> Path:
+    lines = [
+        {"task": "gsm8k", "question": q, "strict": a, "correct_strict": c, "correct_flexible": c} for q, a, c in gsm8k
+    ]
+    lines += [{"task": "truthfulqa", "question": q, "mc1": v, "mc2": v / 2} for q, v in truthfulqa]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_arms_are_paired_by_question_and_the_format_is_a_strict_answer_found(tmp_path):
+    base = write_items(
+        tmp_path / "base.jsonl", [("a", None, False), ("b", "3", True), ("c", None, False)], [("t", 0.0)]
+    )
+    # the same items in another order: OPD found a `#### N` answer on a and c, got c right
+    opd = write_items(tmp_path / "opd.jsonl", [("c", "5", True), ("a", "7", False), ("b", "3", True)], [("t", 1.0)])
+    before, after = (
+        study.arm_scores(base, {"a": 2.0, "b": 1.0, "c": 1.0}),
+        study.arm_scores(opd, {"a": 1.0, "b": 1.0, "c": 1.0}),
+    )
+    assert before["format"] == {"a": 0.0, "b": 1.0, "c": 0.0}
+    change = {m: study.paired(after[m], before[m]) for m in after}
+    assert change["format"]["difference"] == pytest.approx(2 / 3) and change["format"]["items"] == 3
+    assert change["strict"]["difference"] == pytest.approx(1 / 3)
+    assert change["nll"]["difference"] == pytest.approx(-1 / 3)
+    assert change["mc1"]["difference"] == 1.0 and change["mc2"]["difference"] == 0.5
+    assert change["format"]["low"] <= change["format"]["difference"] <= change["format"]["high"]
+
+
+def test_the_sft_baseline_config_reads_the_whole_pool_and_stops_at_the_opd_runs_flops(tmp_path):
+    from trl import ModelConfig, SFTConfig, TrlParser
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
+    from sft import SFTScriptArguments
+
+    command = study.sft_test_command(tmp_path / "data-test", tmp_path, max_flops=1.5e15, smoke=False)
+    parser = TrlParser((SFTScriptArguments, SFTConfig, ModelConfig))
+    args, training, model = parser.parse_args_and_config(args=command[2:])
+    assert args.max_flops == 1.5e15 and args.train_size is None and args.prompt_format == "chat"
+    assert args.eval_limit == "gsm8k=250,truthfulqa=200" and args.eval_before is False
+    assert (training.per_device_train_batch_size, training.learning_rate, training.lr_scheduler_type) == (
+        8,
+        2e-4,
+        "constant",
+    )
+    assert (model.use_peft, model.lora_r, model.lora_alpha) == (True, 16, 32)
+    assert training.max_steps > 1.5e15 / (6 * 135e6 * 8 * 512)  # the FLOPs, not max_steps, end the run

@@ -121,6 +121,11 @@ class StateLoggingCallback(TrainerCallback):
             Most likely ids of the step-0 policy kept per position for `base_kl_topk`. At 16 it was within 4% of
             the full-vocabulary KL on the lab, 8 within 7%, 4 within 17% (BENCHMARKS.md, 5.1); the reference holds
             `2 x base_kl_top_k + 2` numbers per probe completion token.
+        max_flops (`float`, *optional*):
+            Stop training after the first optimizer step at which the run's training FLOPs so far
+            (`flops_total/total`, counted as `results.json`'s `compute`) reach this: a baseline run at the compute of
+            another run, whatever its tokens per step. `max_steps` still applies. Needs a StateLens trainer and a
+            known total (not a served teacher, whose size this process cannot know).
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class StateLoggingCallback(TrainerCallback):
         probe_max_new_tokens: int | None = None,
         probe_seed: int = 0,
         base_kl_top_k: int = 16,
+        max_flops: float | None = None,
     ):
         if probe_steps < 1:
             raise ValueError(f"probe_steps must be a positive number of steps, got {probe_steps}")
@@ -141,6 +147,8 @@ class StateLoggingCallback(TrainerCallback):
             raise ValueError(f"base_kl_top_k must be a positive number of token ids, got {base_kl_top_k}")
         if probe_prompts is not None and len(probe_prompts) == 0:
             raise ValueError("probe_prompts is empty: pass some prompts, or None to turn probe drift off")
+        if max_flops is not None and not max_flops > 0:
+            raise ValueError(f"max_flops is a number of training FLOPs (None for no limit), got {max_flops}")
         self.trainer = trainer
         self.probe_prompts = probe_prompts
         self.probe_steps = probe_steps
@@ -148,6 +156,7 @@ class StateLoggingCallback(TrainerCallback):
         self.probe_max_new_tokens = probe_max_new_tokens
         self.probe_seed = probe_seed
         self.base_kl_top_k = base_kl_top_k
+        self.max_flops = max_flops
         self._reference_features = None
 
     # ----- training events --------------------------------------------------------------------------------------
@@ -179,6 +188,11 @@ class StateLoggingCallback(TrainerCallback):
                     self._totals = ledger_totals([json.loads(line) for line in steps.read_text().splitlines()])
         if self.records_states:
             self._flops_so_far = self._flops()
+        if self.max_flops is not None and (not self.records_states or self._flops_so_far["total"] is None):
+            raise ValueError(
+                f"max_flops needs the run's FLOPs total, which {type(self.trainer).__name__} does not give here: it "
+                "needs a StateLens trainer and no served teacher (its size is unknown); stop the run with max_steps"
+            )
         if self.probe_prompts is not None:
             self._check_probe_lengths()
             self._reference_texts, self._base_policy = self._load_or_make_reference(state)
@@ -190,6 +204,8 @@ class StateLoggingCallback(TrainerCallback):
             metrics = aggregate_states(records, self.trainer.state_teacher_names)
             metrics.update(self._accounting(metrics))
             self._log_metrics(metrics)
+            if self.max_flops is not None and metrics["flops_total/total"] >= self.max_flops:
+                control.should_training_stop = True  # the same count on every rank: all of them stop here
             if state.is_world_process_zero:
                 line = {"step": state.global_step, "epoch": state.epoch, **metrics}
                 line["prefix_len_hist"] = prefix_len_histogram(records)

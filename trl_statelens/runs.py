@@ -81,6 +81,9 @@ class RecipeArguments:
         num_probes: probe prompts (from the test split) for probe drift; 0 turns drift off.
         probe_steps: measure probe drift every this many steps.
         ledger_sample_rate: share of supervised sequences written with their text to the ledger.
+        max_flops: stop after the first step at which the run's training FLOPs (`flops_total/total`, as
+            `results.json`'s `compute`) reach this: a baseline at another run's compute (`StateLoggingCallback`'s
+            `max_flops`); unset for no limit. `max_steps` still applies.
         baseline: `"statelens"` (our trainer) or `"stock"` (the matching stock TRL trainer on the same data, seed and
             settings, with probe drift attached), so the two output folders compare directly.
         lab_seed: which cached lab world to use.
@@ -104,6 +107,7 @@ class RecipeArguments:
     num_probes: int = 16
     probe_steps: int = 10
     ledger_sample_rate: float = 0.05
+    max_flops: float | None = None
     baseline: str = field(default="statelens", metadata={"help": "'statelens' or 'stock'"})
     lab_seed: int = 0
 
@@ -124,6 +128,13 @@ class RecipeArguments:
             )
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval_batch_size must be a positive number of items, got {self.eval_batch_size}")
+        if self.max_flops is not None and self.baseline == "stock":
+            raise ValueError(
+                "--max_flops reads the FLOPs count of a StateLens trainer's records, which a stock trainer does not "
+                "keep: leave --baseline at 'statelens' or stop the stock run with --max_steps"
+            )
+        if self.max_flops is not None and not self.max_flops > 0:
+            raise ValueError(f"--max_flops is a number of training FLOPs (unset for no limit), got {self.max_flops}")
         if self.target_eval_steps < 0:
             raise ValueError(f"--target_eval_steps is a number of steps (0 for never), got {self.target_eval_steps}")
         if self.target_eval_limit is not None and self.target_eval_limit < 1:
@@ -171,7 +182,11 @@ def probe_prompts(args: RecipeArguments) -> list | None:
 
 def state_logging_callback(args: RecipeArguments, trainer=None) -> StateLoggingCallback:
     return StateLoggingCallback(
-        trainer, probe_prompts=probe_prompts(args), probe_steps=args.probe_steps, sample_rate=args.ledger_sample_rate
+        trainer,
+        probe_prompts=probe_prompts(args),
+        probe_steps=args.probe_steps,
+        sample_rate=args.ledger_sample_rate,
+        max_flops=args.max_flops,
     )
 
 

@@ -3,23 +3,46 @@ STUDY.md ("A real model: ... plan").
 
     python recipes/studies/real_opd_study.py dev [--out runs/real-study] [--data ../shared/data]
     python recipes/studies/real_opd_study.py dev --smoke --out /tmp/real-smoke      # a 2-step run of each candidate
+    python recipes/studies/real_opd_study.py test [--out runs/real-study]          # once dev wrote chosen.json
 
 `dev` writes the dev data (`<out>/data-dev/gsm8k/`: `train.jsonl`, the training pool, and `test.jsonl`, the 200 dev
 rows, both from `real_teacher_advantage.real_splits`), runs each candidate (`recipes/self_distill.py` with the real
 config, LoRA, 8 rollouts x 128 tokens a step, the candidate's self teacher) scoring the format share on 64 dev
 problems every 10 steps, applies the rule and writes `chosen.json` and `dev.md`. A candidate whose run folder holds a
-`results.json` is not run again. The test phase comes once the dev choice is in.
+`results.json` is not run again.
+
+`test` runs the dev choice (`chosen.json`) on the held-out split: the test data folder (`<out>/data-test/`: the same
+training pool, GSM8K's test split, TruthfulQA), then
+- `test/opd`: OPD at the chosen setting, scored before (the base) and after on 250 GSM8K test problems and 200
+  TruthfulQA questions, with probe drift on (the lens's `base_kl` and where along the answer the teacher disagrees);
+- `test/sft`: LoRA SFT on the pool's reference solutions (chat prompt, the solution as the assistant turn) until its
+  training FLOPs reach OPD's (`--max_flops`), scored after;
+- `test/teacher`: the base behind the chosen view's template on the same GSM8K problems (what the teacher answers);
+- each model's NLL per token of the test problems' reference solutions;
+and writes `test.json` and `test.md`: paired differences with 95% bootstrap intervals over items. Finished parts
+are not run again.
 """
 
 import argparse
 import json
+import math
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
-from real_teacher_advantage import NUM_SHOTS, TEMPLATES, real_splits
+import torch
+import yaml
+from real_teacher_advantage import NUM_SHOTS, TEMPLATES, real_splits, view_prompts
 from self_distill_study import smoothed
 from study_lab import run
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_statelens.data import chat_prompt
+from trl_statelens.evaluation import evaluate_model, item_scores, paired_interval
+from trl_statelens.evaluation.gsm8k import GSM8KTask
+from trl_statelens.real_models import SMOLLM2
+from trl_statelens.runs import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_METRIC = "eval/gsm8k/answer_found"  # the format share: answers with a `#### N` line
@@ -37,6 +60,19 @@ SETTING = [
     "--eval_max_new_tokens", "256", "--num_probes", "0", "--seed", "0",
 ]  # fmt: skip
 SMOKE = ["--max_completion_length", "8", "--eval_max_new_tokens", "8"]
+TEST_ITEMS = {"gsm8k": 250, "truthfulqa": 200}
+SMOKE_ITEMS = {"gsm8k": 2, "truthfulqa": 2}
+
+
+def item_limits(smoke: bool) -> dict[str, int]:
+    return SMOKE_ITEMS if smoke else TEST_ITEMS
+
+
+def write_rows(folder: Path, splits: dict[str, list[dict]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        lines = (json.dumps({"question": r["question"], "answer": r["answer"]}) for r in rows)
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def write_dev_data(data: Path, out: Path) -> Path:
@@ -44,10 +80,18 @@ def write_dev_data(data: Path, out: Path) -> Path:
     folder = out / "data-dev" / "gsm8k"
     if not (folder / "test.jsonl").exists():
         dev, pool = real_splits(data)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, rows in (("train", pool), ("test", dev)):
-            lines = (json.dumps({"question": r["question"], "answer": r["answer"]}) for r in rows)
-            (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        write_rows(folder, {"train": pool, "test": dev})
+    return folder
+
+
+def write_test_data(data: Path, out: Path) -> Path:
+    """The test data folder: `gsm8k/` with the same training pool and GSM8K's test split, and `truthfulqa/`."""
+    folder = out / "data-test"
+    if not (folder / "gsm8k" / "test.jsonl").exists():
+        _, pool = real_splits(data)
+        test = [json.loads(line) for line in (data / "gsm8k" / "test.jsonl").read_text().splitlines() if line]
+        write_rows(folder / "gsm8k", {"train": pool, "test": test})
+        shutil.copytree(data / "truthfulqa", folder / "truthfulqa", dirs_exist_ok=True)
     return folder
 
 
@@ -118,13 +162,187 @@ def dev_phase(data: Path, out: Path, smoke: bool) -> dict:
     return chosen
 
 
+# ----- test phase ------------------------------------------------------------------------------------------------
+class TeacherViewTask(GSM8KTask):
+    """GSM8K scored behind a self teacher's prompt (`real_teacher_advantage.view_prompts`): what the teacher
+    answers on the items the students are scored on."""
+
+    def __init__(self, view: str, pool: list[dict], **kwargs):
+        super().__init__(**kwargs)
+        self.view, self.pool = view, pool
+
+    def prompt_texts(self, tokenizer) -> list[str]:
+        rows = [{"question": e["question"], "answer": e["answer"]} for e in self.examples()]
+        conversations = view_prompts(self.view, rows, self.pool)
+        return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+
+
+def opd_test_command(chosen: dict, folder: Path, out: Path, smoke: bool) -> list[str]:
+    view, flags = CANDIDATES[chosen["candidate"]]
+    items = item_limits(smoke)
+    return [
+        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags,
+        "--teacher_prompt_template", TEMPLATES[view], "--dataset_name", str(folder / "gsm8k"),
+        "--eval_data", str(folder), "--output_dir", str(out / "test" / "opd"), "--max_steps", str(chosen["steps"]),
+        "--eval_before", "true", "--eval_tasks", "gsm8k,truthfulqa",
+        "--eval_limit", ",".join(f"{task}={n}" for task, n in items.items()),
+        "--num_probes", "8", "--probe_steps", str(max(1, chosen["steps"] // 4)),
+        *(SMOKE if smoke else []),
+    ]  # fmt: skip
+
+
+def sft_test_command(folder: Path, out: Path, max_flops: float, smoke: bool) -> list[str]:
+    """LoRA SFT on the pool's reference solutions with the OPD run's LoRA, learning rate and sequences per step,
+    stopped at the first step whose training FLOPs reach `max_flops` (the OPD run's)."""
+    config = yaml.safe_load((ROOT / "recipes" / "configs" / "real" / "gsm8k_lora_sft.yaml").read_text())
+    config.pop("train_size")  # the whole pool, as OPD reads it
+    items = item_limits(smoke)
+    config.update({
+        "dataset_name": str(folder / "gsm8k"), "eval_data": str(folder), "eval_tasks": "gsm8k,truthfulqa",
+        "eval_limit": ",".join(f"{task}={n}" for task, n in items.items()), "eval_before": False,
+        "eval_max_new_tokens": 8 if smoke else 256, "output_dir": str(out / "test" / "sft"),
+        "per_device_train_batch_size": 8, "learning_rate": 2.0e-4, "max_length": 512,
+        "max_steps": 1000, "max_flops": max_flops,
+    })  # fmt: skip
+    path = out / "test" / "sft.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return [sys.executable, str(ROOT / "recipes" / "sft.py"), "--config", str(path)]
+
+
+def teacher_eval(chosen: dict, data: Path, folder: Path, out: Path, smoke: bool) -> Path:
+    """The base behind the chosen view's template, scored on the OPD run's GSM8K test problems."""
+    path = out / "test" / "teacher" / "eval.json"
+    if not path.exists():
+        view, _ = CANDIDATES[chosen["candidate"]]
+        task = TeacherViewTask(
+            view, real_splits(data)[1], source=str(folder / "gsm8k"), split="test", prompt_format="chat",
+            max_new_tokens=8 if smoke else 256, limit=item_limits(smoke)["gsm8k"], seed=0,
+        )  # fmt: skip
+        evaluate_model(resolve_model(SMOLLM2), [task], out=path, progress=False, extra={"view": view})
+    return path.with_name("eval.items.jsonl")
+
+
+def reference_nll(model_path: str, folder: Path, smoke: bool) -> dict[str, float]:
+    """`{question: mean NLL per token}` of each test problem's reference solution as the assistant's answer to the
+    student's chat prompt, on the scored GSM8K problems."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    task = GSM8KTask(str(folder / "gsm8k"), "test", prompt_format="chat", limit=item_limits(smoke)["gsm8k"])
+    nll = {}
+    with torch.no_grad():
+        for e in task.examples():
+            prompt = tokenizer.apply_chat_template(
+                chat_prompt(e["question"]), add_generation_prompt=True, tokenize=False
+            )
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            answer_ids = tokenizer(e["answer"], add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt_ids + answer_ids])
+            logps = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1 : -1].float(), -1)
+            nll[e["question"]] = -logps.gather(-1, ids[0, len(prompt_ids) :, None]).mean().item()
+    return nll
+
+
+def arm_scores(items: Path, nll: dict | None) -> dict[str, dict[str, float]]:
+    """Per-item scores of one model: `{metric: {question: score}}`."""
+    scores = {
+        "format": {q: float(a is not None) for q, a in read_items(items, "gsm8k", "strict").items()},
+        "strict": item_scores(items, "gsm8k", "correct_strict"),
+        "flexible": item_scores(items, "gsm8k", "correct_flexible"),
+    }
+    if nll is not None:
+        scores["nll"] = nll
+    for metric in ("mc1", "mc2"):
+        by_question = item_scores(items, "truthfulqa", metric)
+        if by_question:
+            scores[metric] = by_question
+    return scores
+
+
+def read_items(items: Path, task: str, field: str) -> dict[str, object]:
+    lines = (json.loads(line) for line in items.read_text().splitlines())
+    return {line["question"]: line.get(field) for line in lines if line["task"] == task}
+
+
+def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """`a - b` over the items both scored: the mean and a 95% bootstrap interval (2000 resamples)."""
+    questions = sorted(set(a) & set(b))
+    differences = [a[q] - b[q] for q in questions]
+    low, high = paired_interval(differences)
+    return {"difference": statistics.mean(differences), "low": low, "high": high, "items": len(questions)}
+
+
+def test_phase(data: Path, out: Path, smoke: bool) -> dict:
+    chosen = json.loads((out / "chosen.json").read_text())
+    folder = write_test_data(data, out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    opd = out / "test" / "opd"
+    if not (opd / "results.json").exists():
+        shutil.rmtree(opd, ignore_errors=True)
+        run(opd_test_command(chosen, folder, out, smoke), out / "logs" / "test_opd.log")
+    opd_flops = json.loads((opd / "results.json").read_text())["compute"]["flops"]
+    sft = out / "test" / "sft"
+    if not (sft / "results.json").exists():
+        shutil.rmtree(sft, ignore_errors=True)
+        run(sft_test_command(folder, out, opd_flops, smoke), out / "logs" / "test_sft.log")
+    teacher_items = teacher_eval(chosen, data, folder, out, smoke)
+
+    nll_path = out / "test" / "reference_nll.json"
+    nll = json.loads(nll_path.read_text()) if nll_path.exists() else {}
+    for arm, path in (("base", resolve_model(SMOLLM2)), ("opd", str(opd)), ("sft", str(sft))):
+        if arm not in nll:
+            nll[arm] = reference_nll(path, folder, smoke)
+            nll_path.write_text(json.dumps(nll))
+    arms = {
+        "base": arm_scores(opd / "eval" / "before.items.jsonl", nll["base"]),
+        "opd": arm_scores(opd / "eval" / "after.items.jsonl", nll["opd"]),
+        "sft": arm_scores(sft / "eval" / "after.items.jsonl", nll["sft"]),
+        "teacher": arm_scores(teacher_items, None),
+    }
+    sft_results = json.loads((sft / "results.json").read_text())
+    results = {
+        "chosen": chosen,
+        "flops": {"opd": opd_flops, "sft": sft_results["compute"]["flops"]},
+        "steps": {"opd": chosen["steps"], "sft": sft_results["global_steps"]},
+        "means": {arm: {m: statistics.mean(v.values()) for m, v in scores.items()} for arm, scores in arms.items()},
+        "paired": {
+            f"{a} - {b}": {m: paired(arms[a][m], arms[b][m]) for m in arms[a] if m in arms[b]}
+            for a, b in (("opd", "base"), ("sft", "base"), ("opd", "sft"), ("teacher", "opd"))
+        },
+    }
+    (out / "test.json").write_text(json.dumps(results, indent=2))
+    lines = ["| comparison | metric | difference | 95% interval | items |", "|---|---|---:|---|---:|"]
+    for comparison, metrics in results["paired"].items():
+        for metric, d in metrics.items():
+            lines.append(
+                f"| {comparison} | {metric} | {d['difference']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] "
+                f"| {d['items']} |"
+            )
+    means = ["", "| model | " + " | ".join(arms["base"]) + " |", "|---|" + "---:|" * len(arms["base"])]
+    for arm, values in results["means"].items():
+        means.append(f"| {arm} | " + " | ".join(_fmt(values.get(m)) for m in arms["base"]) + " |")
+    text = "\n".join(lines + means)
+    (out / "test.md").write_text(text + "\n")
+    print(text)
+    return results
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=["dev"])
+    parser.add_argument("phase", choices=["dev", "test"])
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
     parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
-    parser.add_argument("--smoke", action="store_true", help="2 steps per candidate, 2 dev problems, 8 tokens")
+    parser.add_argument("--smoke", action="store_true", help="2 steps per run, 2 problems per task, 8 tokens")
     args = parser.parse_args()
     if not (args.data / "gsm8k" / "train.jsonl").exists():
         sys.exit(f"needs real GSM8K at {args.data / 'gsm8k'} (see ../shared/data/README.md)")
-    dev_phase(args.data, args.out, args.smoke)
+    if args.phase == "dev":
+        dev_phase(args.data, args.out, args.smoke)
+    else:
+        if not (args.out / "chosen.json").exists():
+            sys.exit(f"no dev choice at {args.out / 'chosen.json'}: run the dev phase first")
+        test_phase(args.data, args.out, args.smoke)
