@@ -116,13 +116,16 @@ def test_gold_answers_of_all_real_gsm8k_rows():
 # ----- load_gsm8k -------------------------------------------------------------------------------------------------
 def test_plain_format_matches_lab_format(tmp_path):
     data = load_gsm8k(write_jsonl(tmp_path / "test.jsonl", ROWS), "test")
-    assert data.column_names == ["prompt", "completion", "question", "answer", "ground_truth", "privileged_context"]
+    assert data.column_names == [
+        "prompt", "completion", "question", "answer", "ground_truth", "solution_steps", "privileged_context"
+    ]  # fmt: skip
     for row, source in zip(data, ROWS):
         assert row["privileged_context"] == source["answer"]  # a self teacher's context: the reference solution
         assert row["prompt"] == format_plain(source["question"])
         assert row["completion"].startswith(" ")
         assert row["prompt"] + row["completion"] == format_plain(source["question"], source["answer"])
     assert data["ground_truth"] == ["5", "750", "-6", "2400"]
+    assert data["solution_steps"] == [1, 1, 1, 1]
 
 
 def test_chat_format_is_conversational(tmp_path):
@@ -232,3 +235,15 @@ def test_clear_errors(tmp_path):
     (tmp_path / "empty_folder").mkdir()
     with pytest.raises(ValueError, match="no 'test' split in folder"):
         load_gsm8k(tmp_path / "empty_folder", "test")
+
+
+def test_solution_steps_count_the_lines_that_compute(world):
+    """The difficulty GRPO's records group by: a lab problem's operations, a real solution's computing lines."""
+    from trl_statelens.data import solution_steps
+
+    real = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe has no more.\nShe makes 9 * 2 = $<<9*2=18>>18.\n#### 18"
+    assert solution_steps(real) == 2
+    rows = world.math("train", n=200)
+    # the lab's answers: a starting line, then one computing line per operation (1 to 3 of them)
+    assert {solution_steps(r["answer"]) for r in rows} == {1, 2, 3}
+    assert all(solution_steps(r["answer"]) == len(r["answer"].splitlines()) - 2 for r in rows)

@@ -164,3 +164,59 @@ def test_records_count_only_the_tokens_the_grpo_loss_counts(tmp_path, student_pa
     assert [line["supervised_tokens"] for line in steps] == expected
     completion_tokens = 2 * 4 * 8  # an upper bound: 2 steps of 4 completions of at most 8 tokens
     assert 0 < sum(expected) < completion_tokens
+
+
+def test_each_prompts_group_of_rollouts_is_in_the_ledger_with_its_rewards_and_difficulty(
+    tmp_path, student_path, tokenizer, math_dataset
+):
+    """`groups.jsonl`: one line per prompt's group of rollouts, its rewards as the loss got them and the data's
+    `solution_steps`; `reward_groups/spread_frac` is the share of groups whose rewards differ, and only their
+    tokens carry a non-zero advantage (`weight/nonzero_frac`)."""
+    from trl_statelens.data import solution_steps
+
+    data = Dataset.from_dict({
+        "prompt": math_dataset["prompt"][:16],
+        "solution_steps": [solution_steps(a) for a in math_dataset["answer"][:16]],
+    })  # fmt: skip
+    assert len(set(data["solution_steps"])) > 1
+
+    def flat_on_one_step_problems(completions, solution_steps, **kwargs):
+        return [1.0 if s == 1 else float(sum(ch.isdigit() for ch in c)) for c, s in zip(completions, solution_steps)]
+
+    trainer = StateLensGRPOTrainer(
+        model=str(student_path),
+        reward_funcs=flat_on_one_step_problems,
+        args=grpo_config(tmp_path, "groups", per_device_train_batch_size=8, num_generations=4, temperature=1.0),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    seen = []  # (prompt, solution_steps, reward) of every rollout, in the order GRPO groups them
+    calculate = trainer._calculate_rewards
+
+    def calculate_and_keep(inputs, prompts, completions, completion_ids_list):
+        rewards = calculate(inputs, prompts, completions, completion_ids_list)
+        seen.append([(str(p), row["solution_steps"], r) for p, row, r in zip(prompts, inputs, rewards[:, 0].tolist())])
+        return rewards
+
+    trainer._calculate_rewards = calculate_and_keep
+    trainer.train()
+    ledger = tmp_path / "groups" / "statelens"
+    groups = [json.loads(line) for line in (ledger / "groups.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (ledger / "steps.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in groups] == [1, 1, 2, 2, 3, 3]  # 8 rollouts a step, 4 per prompt
+    rollouts = [rollout for batch in seen for rollout in batch]
+    ids = {}
+    for index, group in enumerate(groups):
+        members = rollouts[4 * index : 4 * index + 4]
+        assert len({m[0] for m in members}) == 1  # one prompt's group
+        assert group["rewards"] == [m[2] for m in members] and group["solution_steps"] == members[0][1]
+        assert ids.setdefault(members[0][0], group["prompt_id"]) == group["prompt_id"]
+    assert len(set(ids.values())) == len(ids)  # a prompt's id is its own
+    for step in (1, 2, 3):
+        spread = [len(set(g["rewards"])) > 1 for g in groups if g["step"] == step]
+        line = steps[step - 1]
+        assert line["reward_groups/spread_frac"] == sum(spread) / len(spread)
+        if not any(spread):
+            assert line["weight/nonzero_frac"] == 0.0
+    assert any(g["solution_steps"] == 1 and len(set(g["rewards"])) == 1 for g in groups)
+    assert any(len(set(g["rewards"])) > 1 for g in groups)

@@ -73,6 +73,14 @@ def test_two_ranks_record_every_supervised_token(tmp_path, student_path):
     assert [line["supervised_tokens"] for line in grpo_steps] == expected
     grpo_states = read(tmp_path / "grpo" / "statelens" / "states.jsonl")
     assert {state["rank"] for state in grpo_states} == {0, 1}
+    # every prompt's group of rollouts, from both ranks, once: rank 0's rollouts come first in the gathered batch
+    groups = read(tmp_path / "grpo" / "statelens" / "groups.jsonl")
+    rollouts = [
+        r for batch in zip(*(rank["grpo_rollouts"] for rank in ranks)) for rank_part in batch for r in rank_part
+    ]
+    assert len(rollouts) == 2 * 2 * 2  # 2 steps of 2 ranks x 2 rollouts
+    assert [g["step"] for g in groups] == [1, 1, 2, 2]
+    assert [(g["solution_steps"], r) for g in groups for r in g["rewards"]] == [tuple(r) for r in rollouts]
 
     opd_steps = read(tmp_path / "opd" / "statelens" / "steps.jsonl")
     expected = [sum(rank["opd_tokens_per_step"][step] for rank in ranks) for step in range(2)]

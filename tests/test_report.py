@@ -457,3 +457,36 @@ def test_the_training_cost_table_reads_the_ledgers_teacher_tokens_and_last_flops
     assert rows["local"] == ["203", "4.00e+06", "1.20e+07", "8.00e+06", "2.40e+07 |"]
     assert rows["served"] == ["20", "4.00e+06", "1.20e+07", "-", "- |"]
     assert "plain" not in rows
+
+
+def test_the_reward_signal_plot_reads_the_groups_by_step_and_by_solution_steps(tmp_path, monkeypatch):
+    """GRPO's reward signal: the share of groups whose rewards differ per step (the ledger's aggregate) and, over the
+    run, by the problems' `solution_steps` from `groups.jsonl`, an unscorable rollout (`null`) left out."""
+    from trl_statelens import report
+
+    groups = [
+        {"step": 1, "prompt_id": "a", "rewards": [0.0, 0.0], "solution_steps": 1},
+        {"step": 1, "prompt_id": "b", "rewards": [0.0, 1.0], "solution_steps": 1},
+        {"step": 2, "prompt_id": "c", "rewards": [1.0, None], "solution_steps": 3},
+        {"step": 2, "prompt_id": "d", "rewards": [0.0, 1.0], "solution_steps": 3},
+        {"step": 2, "prompt_id": "e", "rewards": [0.5, 0.0], "solution_steps": 3},
+    ]
+    steps = [
+        {**line, "reward_groups/spread_frac": share, "weight/nonzero_frac": share / 2}
+        for line, share in zip(step_lines(2, sources={"learner": 1.0}), (0.5, 2 / 3))
+    ]
+    run = write_run(tmp_path / "grpo", steps=steps)
+    (run / "statelens" / "groups.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))
+    figures = {}
+    save = report.save
+    monkeypatch.setattr(
+        report, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+    )
+    write_report([run], tmp_path / "report")
+    by_step, by_difficulty = figures["reward_signal.png"].axes
+    groups_line, tokens_line = by_step.lines
+    assert list(groups_line.get_ydata()) == [0.5, 2 / 3] and list(tokens_line.get_ydata()) == [0.25, 1 / 3]
+    (difficulty_line,) = by_difficulty.lines
+    assert list(difficulty_line.get_xdata()) == [1.0, 3.0]
+    assert list(difficulty_line.get_ydata()) == [0.5, 2 / 3]  # 3 steps: c has one scored reward, so no spread
+    assert imread(tmp_path / "report" / "reward_signal.png").shape[0] > 100

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-LEDGER = ("steps.jsonl", "states.jsonl", "drift.jsonl")
+LEDGER = ("steps.jsonl", "states.jsonl", "drift.jsonl", "groups.jsonl")  # groups: GRPO's only
 KILL_STEP = 4  # the last checkpoint before it is checkpoint-2: steps 3 (in the ledger) and 4 are redone
 RUN = {
     "max_steps": 5, "save_strategy": "steps", "save_steps": 2, "logging_steps": 1, "seed": 0,
@@ -123,6 +123,9 @@ def step_logs(output_dir: Path) -> list[dict]:
 
 def assert_same_run(resumed: Path, uninterrupted: Path) -> None:
     for name in LEDGER:
+        if name == "groups.jsonl" and not (uninterrupted / "statelens" / name).exists():
+            assert not (resumed / "statelens" / name).exists()
+            continue
         assert (resumed / "statelens" / name).read_bytes() == (uninterrupted / "statelens" / name).read_bytes(), name
     assert step_logs(resumed) == step_logs(uninterrupted)
     weights, reference = load_file(resumed / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
@@ -162,4 +165,5 @@ def test_killed_run_resumes_as_if_uninterrupted(tmp_path, uninterrupted_runs, ca
 
     run_recipe(recipe, config, out, "--resume_from_checkpoint", str(out / "checkpoint-2"))
     assert json.loads((out / "results.json").read_text())["global_steps"] == 5
+    assert (out / "statelens" / "groups.jsonl").exists() == (recipe == "grpo")
     assert_same_run(out, uninterrupted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,12 +18,12 @@ from trl.models.utils import unwrap_model_for_generation
 from .checks import check_probe_lengths, context_length
 from .compute import FLOPS_PARTS, ComputeCounter, ledger_totals, tokens_seen
 from .drift import PrefixFeatures, probe_drift
-from .records import StateRecorderMixin, aggregate_states, prefix_len_histogram
+from .records import StateRecorderMixin, aggregate_states, has_spread, prefix_len_histogram
 
 logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "statelens/"
-LEDGER_FILES = ("steps.jsonl", "states.jsonl", "drift.jsonl")
+LEDGER_FILES = ("steps.jsonl", "states.jsonl", "drift.jsonl", "groups.jsonl")
 DRIFT_REFERENCE_FILE = "drift_reference.json"
 DEFAULT_PROBE_MAX_NEW_TOKENS = 64
 
@@ -41,7 +42,10 @@ class StateLoggingCallback(TrainerCallback):
       wrote, all ranks: [`StateRecorderMixin._count_teacher_tokens`]) and `teacher_tokens_total` (so far) with a
       teacher, and the training FLOPs by part, `flops/{student_generation,student_training,teacher,total}` for the
       step and `flops_total/*` so far (counted as `results.json`'s `compute`: [`~trl_statelens.compute.ComputeCounter`];
-      `None` in the ledger, and not logged, for a served teacher's part, whose size is unknown). The aggregates go
+      `None` in the ledger, and not logged, for a served teacher's part, whose size is unknown), and, with GRPO's
+      groups of rollouts, `reward_groups/spread_frac` (the share of the step's groups whose rewards differ: the
+      others give all their tokens a zero advantage; `weight/nonzero_frac` is the share of supervised tokens with a
+      non-zero one). The aggregates go
       into the trainer's metrics under the `statelens/` prefix, so they are logged (and reach `report_to` backends)
       with the trainer's own metrics;
     - every `probe_steps` steps, the current policy samples the probe prompts and the drift of its prefix states
@@ -93,6 +97,9 @@ class StateLoggingCallback(TrainerCallback):
       prefix-length bin `k`, covering prefix lengths `[2**k - 1, 2**(k+1) - 1)`);
     - `states.jsonl`: the sampled sequences (a `sample_rate` share of them), with prompt and completion text and
       per-token `prefix_len`, `logp`, `entropy`, `teacher_logp` and `weight`, plus `reward` when there is one;
+    - `groups.jsonl` (GRPO): one line per prompt's group of rollouts generated in the step: `prompt_id` (a hash of
+      the prompt), `rewards` (`None` for an unscorable rollout) and `solution_steps` when the data has that column
+      (`trl_statelens.data.solution_steps`, a GSM8K problem's difficulty);
     - `drift.jsonl`: one line per probe step with the four drift distances, `base_kl`, `base_kl_topk` and the
       number of probe states;
     - `drift_reference.json`: the step-0 probe completions and what the step-0 policy gives their tokens
@@ -202,6 +209,9 @@ class StateLoggingCallback(TrainerCallback):
         if self.records_states:
             records = self.trainer._collect_state_records(self.sample_rate, seed=args.seed)
             metrics = aggregate_states(records, self.trainer.state_teacher_names)
+            groups = self.trainer._collect_reward_groups()
+            if groups:
+                metrics["reward_groups/spread_frac"] = statistics.mean(has_spread(g["rewards"]) for g in groups)
             metrics.update(self._accounting(metrics))
             self._log_metrics(metrics)
             if self.max_flops is not None and metrics["flops_total/total"] >= self.max_flops:
@@ -211,6 +221,7 @@ class StateLoggingCallback(TrainerCallback):
                 line["prefix_len_hist"] = prefix_len_histogram(records)
                 self._append("steps.jsonl", [line])
                 self._append("states.jsonl", records.samples)
+                self._append("groups.jsonl", [{"step": state.global_step, **group} for group in groups])
         if self.probe_prompts is not None and state.global_step % self.probe_steps == 0:
             completions = self._sample_probes()
             states = PrefixFeatures(completions)

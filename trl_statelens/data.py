@@ -21,7 +21,8 @@ Every row keeps ``question`` and ``answer`` (the worked solution) and adds ``gro
 final answer, so reward functions such as :func:`trl_statelens.rewards.gsm8k_accuracy_reward` receive it as a
 column, and ``privileged_context``, the worked solution again under the column name TRL's self-distillation trainers
 (``trl.experimental.sdft``) and ``OnPolicyDistillConfig.teacher_model_kind`` read: what a self teacher sees and
-the student does not.
+the student does not. ``solution_steps``, the worked solution's lines that compute something (hold an ``=``), is
+the problem's difficulty as GSM8K studies count it; GRPO's state records group its reward signal by it.
 """
 
 from __future__ import annotations
@@ -180,6 +181,11 @@ def chat_prompt(question: str, shots: list[dict] = ()) -> list[dict]:
     return messages + [{"role": "user", "content": question}]
 
 
+def solution_steps(answer: str) -> int:
+    """The lines of a worked solution before its ``#### N`` line that compute something (hold an ``=``)."""
+    return sum("=" in line for line in answer.split("####")[0].splitlines())
+
+
 def gsm8k_example(
     row: dict, prompt_format: str = "plain", shots: list[dict] = (), context_shots: list[dict] = ()
 ) -> dict:
@@ -198,6 +204,7 @@ def gsm8k_example(
         "question": row["question"],
         "answer": row["answer"],
         "ground_truth": extract_answer(row["answer"], "strict"),
+        "solution_steps": solution_steps(row["answer"]),
         # shown to a self teacher only: the reference solution, or solved problems
         "privileged_context": shots_text(context_shots) if context_shots else row["answer"],
     }

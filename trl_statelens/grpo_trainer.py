@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+
 import torch
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
 from .callback import attach_state_logging
@@ -27,7 +32,9 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
     with no extra forward pass. Every completion token the policy loss counts (its completion and tool masks, and the
     `top_entropy_quantile`, `off_policy_mask_threshold` and vLLM importance-sampling masks when set) is a `learner`
     state; its prefix length is its position in the completion, its weight the advantage the loss applies, and each
-    sequence carries its reward.
+    sequence carries its reward. Each prompt's group of rollouts is recorded too (`groups.jsonl`: a hash of the
+    prompt, the group's rewards and, when the data has the column, its `solution_steps`): where the reward signal is,
+    since a group whose rewards are all equal gives every one of its tokens a zero advantage.
 
     Bad input (an empty dataset, no `prompt` column, a tokenizer without eos, a prompt that leaves no room for
     `max_completion_length` tokens in the model's context) is refused before training, with the fix in the message; a
@@ -53,6 +60,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         check_prompt_lengths(self.train_dataset, self._tokenizer, context, self._tokens_after_prompt(), what)
         self._loss_logps_and_entropies = None
         self._loss_masks = []
+        self._reward_groups = []
         attach_state_logging(self, state_logging)
 
     def _tokens_after_prompt(self) -> int:
@@ -82,7 +90,31 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         num_local = output["prompt_ids"].size(0)
         start = self.accelerator.process_index * num_local
         output["rewards"] = rewards[start : start + num_local]
+        if self._state_buffer is not None and self.model.training:  # recording, and not an evaluation's rollouts
+            self._reward_groups += self._group_rewards(inputs, rewards)
         return output
+
+    def _group_rewards(self, inputs: list[dict], rewards: torch.Tensor) -> list[dict]:
+        """Each prompt's group of rollouts in this generation batch, all processes' (every rank holds the same)."""
+        size = self.num_generations
+        prompts = list(self._logs["prompt"])[-len(rewards) :]  # TRL's log of this batch's gathered prompts
+        # the same column on every rank (one data set), so every rank gathers or none does
+        steps = gather_object([row["solution_steps"] for row in inputs]) if "solution_steps" in inputs[0] else None
+        groups = []
+        for start in range(0, len(rewards), size):
+            prompt = json.dumps(prompts[start], sort_keys=True)
+            group = {
+                "prompt_id": hashlib.sha1(prompt.encode()).hexdigest()[:12],
+                "rewards": [None if math.isnan(r) else r for r in rewards[start : start + size].tolist()],
+            }
+            if steps is not None:
+                group["solution_steps"] = steps[start]
+            groups.append(group)
+        return groups
+
+    def _collect_reward_groups(self) -> list[dict]:
+        groups, self._reward_groups = self._reward_groups, []
+        return groups
 
     def _get_per_token_logps_and_entropies(self, *args, compute_entropy=False, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(

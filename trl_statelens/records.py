@@ -155,8 +155,8 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
         prefix_len.max(),
     ]
     weight = records.weight.double()
-    names += ["weight/mean", "weight/abs_mean", "weight/positive_frac"]
-    values += [weight.mean(), weight.abs().mean(), (weight > 0).double().mean()]
+    names += ["weight/mean", "weight/abs_mean", "weight/positive_frac", "weight/nonzero_frac"]
+    values += [weight.mean(), weight.abs().mean(), (weight > 0).double().mean(), (weight != 0).double().mean()]
     sampled_by_learner = ~torch.isnan(records.teacher_logp) & (records.source == source_code("learner"))
     if sampled_by_learner.any():
         teacher_logp = records.teacher_logp.double()[sampled_by_learner]
@@ -164,6 +164,13 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
         values += [-teacher_logp.mean(), (logp[sampled_by_learner] - teacher_logp).mean()]
     metrics.update(zip(names, torch.stack(values).tolist()))
     return metrics
+
+
+def has_spread(rewards: list[float | None]) -> bool:
+    """Whether a group's rewards differ (unscorable rollouts, `None`, left out): only then does GRPO give its
+    tokens a non-zero advantage."""
+    scored = [r for r in rewards if r is not None]
+    return len(scored) > 1 and max(scored) - min(scored) > 1e-6 * max(1.0, abs(max(scored)))
 
 
 def _quantiles(values: torch.Tensor, quantiles: tuple[float, ...]) -> torch.Tensor:
@@ -227,6 +234,11 @@ class StateRecorderMixin:
     # A trainer with a teacher sets it to 0: the positions its teacher scored or wrote on this rank since the last
     # collection (`_count_teacher_tokens`)
     _teacher_tokens: int | None = None
+
+    def _collect_reward_groups(self) -> list[dict]:
+        """The groups of rollouts since the last call, each `{"prompt_id", "rewards", ...}`; GRPO's (every rank holds
+        all of them). Trainers without reward groups have none."""
+        return []
 
     def _start_state_recording(self) -> None:
         self._state_buffer = []

@@ -596,14 +596,14 @@ def compute_table(runs: list[Run], base_scores: dict | None = None) -> list[Bloc
 
 
 # ----- plots -------------------------------------------------------------------------------------------------------
-def new_figure(size=FIGURE_SIZE, rows: int = 1):
+def new_figure(size=FIGURE_SIZE, rows: int = 1, sharex: bool = True):
     """A figure on the Agg canvas directly: no pyplot, so no global backend switch and no figures left open."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    axes = figure.subplots(rows, 1, sharex=sharex, squeeze=False)[:, 0]
     for ax in axes:
         ax.grid(True, alpha=0.3)
     return figure, axes
@@ -938,6 +938,50 @@ def plot_teacher_kl_by_prefix(runs, styles, out_dir) -> Path | None:
     return save(figure, out_dir, "teacher_kl_by_prefix.png")
 
 
+def plot_reward_signal(runs, styles, out_dir) -> Path | None:
+    """Where GRPO's reward signal is: the share of each step's prompt groups whose rewards differ (the others give
+    every token a zero advantage) and of supervised tokens with a non-zero advantage; then, over the whole run, that
+    share of groups by the problem's `solution_steps` (when `groups.jsonl` has it)."""
+    from .records import has_spread  # imports torch: only when a run has reward groups
+
+    with_groups = [run for run in runs if column(run.steps, "reward_groups/spread_frac") is not None]
+    if not with_groups:
+        return None
+    figure, (steps_ax, difficulty_ax) = new_figure(TALL_FIGURE_SIZE, rows=2, sharex=False)
+    difficulties = set()
+    for run in with_groups:
+        steps = run.steps["step"].to_numpy(dtype=float)
+        style = styles[run.label]
+        plot_curve(steps_ax, steps, column(run.steps, "reward_groups/spread_frac"), style, f"{run.label}: groups")
+        tokens = column(run.steps, "weight/nonzero_frac")
+        if tokens is not None:
+            steps_ax.plot(steps, tokens, color=style["color"], linestyle=":", label=f"{run.label}: tokens")
+        groups = read_jsonl(run.path / "statelens" / "groups.jsonl", run.notes)
+        if groups is not None and "solution_steps" in groups:
+            groups = groups.dropna(subset=["solution_steps"])
+            groups["spread"] = [has_spread(rewards) for rewards in groups["rewards"]]
+            by_steps = groups.groupby("solution_steps")["spread"].agg(["mean", "size"])
+            difficulty_ax.plot(by_steps.index.to_numpy(dtype=float), by_steps["mean"].to_numpy(), color=style["color"],
+                               marker=style["marker"], label=run.label)  # fmt: skip
+            for x, share, size in zip(by_steps.index, by_steps["mean"], by_steps["size"]):
+                difficulty_ax.annotate(
+                    f"n={int(size)}", (x, share), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                )
+            difficulties.update(int(x) for x in by_steps.index)
+    steps_ax.set_title("Groups whose rewards differ (solid), tokens with an advantage (dotted)")
+    steps_ax.set_ylabel("share")
+    steps_ax.set_xlabel("optimizer step")
+    steps_ax.set_ylim(-0.02, 1.02)
+    finish_legend(steps_ax)
+    difficulty_ax.set_title("Groups whose rewards differ, by difficulty, over the whole run")
+    difficulty_ax.set_xticks(sorted(difficulties))
+    difficulty_ax.set_xlabel("solution_steps (lines of the reference solution that compute)")
+    difficulty_ax.set_ylabel("share of groups")
+    difficulty_ax.set_ylim(-0.02, 1.02)
+    finish_legend(difficulty_ax)
+    return save(figure, out_dir, "reward_signal.png")
+
+
 def plot_sample_efficiency(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
     curves = {run.label: c for run in runs if (c := sample_efficiency_curve(run, base_scores)) is not None}
     if not curves:
@@ -1023,6 +1067,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "Where along the answer the student disagrees with its teacher",
             lambda: plot_teacher_kl_by_prefix(runs, styles, out_dir),
             "no run has teacher_kl/exact_by_prefix in `statelens/drift.jsonl`",
+        ),
+        (
+            "Where GRPO's reward signal is",
+            lambda: plot_reward_signal(runs, styles, out_dir),
+            "no run has `reward_groups/spread_frac` in `statelens/steps.jsonl` (StateLens GRPO runs do)",
         ),
         (
             "Target score vs supervised tokens",

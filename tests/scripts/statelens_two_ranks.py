@@ -3,7 +3,8 @@
 Usage: accelerate launch --multi_gpu --num_processes 2 statelens_two_ranks.py MODEL_PATH OUTPUT_DIR
 
 Each rank writes `OUTPUT_DIR/rank<i>.json` with what it actually ran (world size, backend) and the supervised tokens
-it computed the loss on per optimizer step, counted from the batches (not from the records), for SFT, GRPO and on-policy distillation.
+it computed the loss on per optimizer step, counted from the batches (not from the records), for SFT, GRPO and on-policy distillation,
+and GRPO's rollouts as its reward function scored them on this rank (`solution_steps`, reward).
 """
 
 import json
@@ -29,6 +30,7 @@ from trl_statelens import (  # noqa: E402
     StateLensSFTTrainer,
     StateLoggingCallback,
 )
+from trl_statelens.data import solution_steps  # noqa: E402
 from trl_statelens.lab import LabWorld, format_plain  # noqa: E402
 
 torch.set_num_threads(1)
@@ -60,8 +62,13 @@ sft.model.register_forward_pre_hook(count_labels, with_kwargs=True)
 sft.train()
 
 
-def digit_reward(completions, **kwargs):
-    return [float(sum(ch.isdigit() for ch in completion)) for completion in completions]
+grpo_rollouts = []  # per reward call, this rank's (solution_steps, reward)
+
+
+def digit_reward(completions, solution_steps, **kwargs):
+    rewards = [float(sum(ch.isdigit() for ch in completion)) for completion in completions]
+    grpo_rollouts.append(list(zip(solution_steps, rewards)))
+    return rewards
 
 
 grpo = StateLensGRPOTrainer(
@@ -70,7 +77,9 @@ grpo = StateLensGRPOTrainer(
     args=GRPOConfig(
         output_dir=str(output_dir / "grpo"), max_steps=2, num_generations=2, max_completion_length=8, **common
     ),
-    train_dataset=Dataset.from_dict({"prompt": dataset["prompt"]}),
+    train_dataset=Dataset.from_dict(
+        {"prompt": dataset["prompt"], "solution_steps": [solution_steps(r["answer"]) for r in rows]}
+    ),
     processing_class=tokenizer,
     callbacks=[StateLoggingCallback(sample_rate=1.0)],
 )
@@ -125,6 +134,7 @@ accelerator = sft.accelerator
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "sft_tokens_per_micro_batch": sft_tokens,
             "grpo_tokens_per_step": grpo_tokens,
+            "grpo_rollouts": grpo_rollouts,
             "opd_tokens_per_step": opd_tokens,
         }
     )
