@@ -128,7 +128,10 @@ def test_shipped_calibration_is_the_studys_lines(tmp_path):
         for target in ("forgetting", "retention"):
             b, a = np.polyfit(x, [row[target] for row in rows], 1)
             assert point[target]["a"] == pytest.approx(a) and point[target]["b"] == pytest.approx(b)
-            assert point[target]["bootstrap"] == again["time_points"][label][target]["bootstrap"]
+            # the same fits to the last few bits: a numpy release can move least squares by an ulp
+            np.testing.assert_allclose(
+                point[target]["bootstrap"], again["time_points"][label][target]["bootstrap"], rtol=1e-12
+            )
             assert len(point[target]["bootstrap"]) == fs.CALIBRATION_SAMPLES
     assert shipped["time_points"]["10%"]["forgetting"]["b"] > 0  # moving further forecasts more forgetting
 

@@ -236,8 +236,8 @@ def test_divergence_pass_gives_trl_loss_and_gradient(monkeypatch, student_path, 
 
 
 def test_grpo_reward_metrics_are_logged_only_with_reward_functions(tmp_path, student_path, teacher_path, math_dataset):
-    """Without reward functions GRPO still scores the rollouts (with `no_reward`): its constant reward metrics and the
-    ledger's per-sequence reward of 0 are dropped. With one, they are all there."""
+    """Without reward functions GRPO still scores the rollouts (with `no_reward`): its constant reward metrics, the
+    ledger's per-sequence reward of 0 and its reward groups are dropped. With one, they are all there."""
 
     def length_reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
@@ -256,12 +256,15 @@ def test_grpo_reward_metrics_are_logged_only_with_reward_functions(tmp_path, stu
         logged = {key for entry in trainer.state.log_history[:-1] for key in entry}  # the last one is the summary
         states = [json.loads(line) for line in open(tmp_path / name / "statelens" / "states.jsonl")]
         rewarded = {key for key in logged if key in reward_keys or key.startswith("rewards/")}
+        groups = tmp_path / name / "statelens" / "groups.jsonl"
         if reward_funcs is None:
             assert rewarded == set() and "teacher_kl/sampled" in logged
             assert {s["reward"] for s in states} == {None}
+            assert not groups.exists() and "statelens/reward_groups/spread_frac" not in logged
         else:
             assert rewarded == reward_keys | {"rewards/length_reward/mean", "rewards/length_reward/std"}
             assert all(s["reward"] > 0 for s in states)
+            assert len(groups.read_text().splitlines()) == 2 * 8 // 2  # 2 steps of 8 rollouts, 2 a prompt
 
 
 # ----- state sources ---------------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
             holds one. With `False` and no such callback, nothing is recorded.
     """
 
+    _has_rewards = True  # a subclass may train without reward functions (OnPolicyDistillTrainer): no reward groups
+
     def __init__(self, *args, state_logging: bool = True, **kwargs):
         given = bound_arguments(GRPOTrainer, args, kwargs)
         what = type(self).__name__
@@ -90,7 +92,8 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         num_local = output["prompt_ids"].size(0)
         start = self.accelerator.process_index * num_local
         output["rewards"] = rewards[start : start + num_local]
-        if self._state_buffer is not None and self.model.training:  # recording, and not an evaluation's rollouts
+        # recording, with rewards, and not an evaluation's rollouts
+        if self._state_buffer is not None and self._has_rewards and self.model.training:
             self._reward_groups += self._group_rewards(inputs, rewards)
         return output
 
