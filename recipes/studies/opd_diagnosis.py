@@ -2,7 +2,7 @@
 with the lens watching (STUDY.md, "Diagnosis").
 
     python recipes/studies/opd_diagnosis.py --out runs/opd-diagnosis --jobs 2       # the OPD arms
-    python recipes/studies/opd_diagnosis.py --out runs/grpo-dev --jobs 2 --arms grpo_lr1e-4 grpo_lr3e-4   # GRPO's
+    python recipes/studies/opd_diagnosis.py --out runs/grpo-dev --arms $(python recipes/studies/opd_diagnosis.py --grpo_arms)
     statelens report runs/opd-diagnosis/* --out runs/opd-diagnosis/report   # written at the end anyway
 
 Every arm distils the lab math teacher into the lab base (lab seed 0) with the demo's settings (8 prompts x 4
@@ -47,11 +47,16 @@ ARMS = {
         "150",
     ],
 }
-# The pre-registered GRPO budget candidates (recipes/grpo.py and its lab config), greedy dev scores every 10 steps
+# The pre-registered GRPO candidates of issue 35 (STUDY.md: recipes/grpo.py and its lab config, 64 rollouts a step),
+# greedy dev scores every 10 steps: rollouts per prompt x temperature x learning rate
 GRPO_ARMS = {
-    "grpo_lr1e-4": ["--learning_rate", "1e-4"],
-    "grpo_lr3e-4": ["--learning_rate", "3e-4"],
-}
+    f"grpo_g{group}_t{temperature}_lr{lr}": [
+        "--num_generations", str(group), "--temperature", str(temperature), "--learning_rate", lr,
+    ]
+    for group in (8, 16)
+    for temperature in (0.7, 1.0)
+    for lr in ("1e-4", "3e-4")
+}  # fmt: skip
 GRPO_FLAGS = ["--max_steps", "60", "--target_eval_steps", "10", "--probe_steps", "10", "--eval_samples", "0"]
 # The lab's mild SFT (recipes/sft.py, lab config) on the same dev protocol, for the equal-compute comparison
 SFT_FLAGS = ["--target_eval_steps", "10", "--probe_steps", "10"]
@@ -65,11 +70,15 @@ def main():
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--jobs", type=int, default=1, help="arms run at once, one process (one torch thread) each")
     parser.add_argument("--choose", action="store_true", help="only apply the pre-registered rule to finished arms")
+    parser.add_argument("--grpo_arms", action="store_true", help="print the GRPO candidates' names and stop")
     parser.add_argument("--tolerance", type=float, default=0.03, help="the rule's margin below the best (STUDY.md)")
     parser.add_argument(
         "extra", nargs="*", help="more recipe flags for every arm, after --, e.g. -- --learning_rate 1e-3"
     )
     args = parser.parse_args()
+    if args.grpo_arms:
+        print(" ".join(GRPO_ARMS))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.choose:
