@@ -85,8 +85,10 @@ def test_reference_nll_is_the_models_loss_on_the_solution_tokens(tmp_path, world
 
 def write_items(path: Path, gsm8k: list[tuple[str, str | None, bool]], truthfulqa: list[tuple[str, float]]) -> Path:
     lines = [
-        {"task": "gsm8k", "question": q, "strict": a, "correct_strict": c, "correct_flexible": c} for q, a, c in gsm8k
-    ]
+        {"task": "gsm8k", "question": q, "strict": a, "correct_strict": c, "correct_flexible": c,
+         "output": "" if a is None else f"#### {a}\n" * (1 + c)}  # a right answer repeats its line here
+        for q, a, c in gsm8k
+    ]  # fmt: skip
     lines += [{"task": "truthfulqa", "question": q, "mc1": v, "mc2": v / 2} for q, v in truthfulqa]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return path
@@ -106,6 +108,7 @@ def test_arms_are_paired_by_question_and_the_format_is_a_strict_answer_found(tmp
     change = {m: study.paired(after[m], before[m]) for m in after}
     assert change["format"]["difference"] == pytest.approx(2 / 3) and change["format"]["items"] == 3
     assert change["strict"]["difference"] == pytest.approx(1 / 3)
+    assert after["repeats"] == {"a": 0.0, "b": 1.0, "c": 1.0} and before["repeats"] == {"a": 0.0, "b": 1.0, "c": 0.0}
     assert change["nll"]["difference"] == pytest.approx(-1 / 3)
     assert change["mc1"]["difference"] == 1.0 and change["mc2"]["difference"] == 0.5
     assert change["format"]["low"] <= change["format"]["difference"] <= change["format"]["high"]

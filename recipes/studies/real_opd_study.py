@@ -244,9 +244,11 @@ def reference_nll(model_path: str, folder: Path, smoke: bool) -> dict[str, float
 
 
 def arm_scores(items: Path, nll: dict | None) -> dict[str, dict[str, float]]:
-    """Per-item scores of one model: `{metric: {question: score}}`."""
+    """Per-item scores of one model: `{metric: {question: score}}`. `repeats` (exploratory, added after the dev phase
+    showed it): the answer holds more than one `####` line."""
     scores = {
         "format": {q: float(a is not None) for q, a in read_items(items, "gsm8k", "strict").items()},
+        "repeats": {q: float(o.count("####") > 1) for q, o in read_items(items, "gsm8k", "output").items()},
         "strict": item_scores(items, "gsm8k", "correct_strict"),
         "flexible": item_scores(items, "gsm8k", "correct_flexible"),
     }
