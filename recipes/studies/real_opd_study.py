@@ -39,7 +39,7 @@ from study_lab import run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens.data import chat_prompt
-from trl_statelens.evaluation import evaluate_model, item_scores, paired_interval
+from trl_statelens.evaluation import evaluate_model, paired_interval
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
 from trl_statelens.runs import resolve_model
@@ -66,6 +66,11 @@ SMOKE_ITEMS = {"gsm8k": 2, "truthfulqa": 2}
 
 def item_limits(smoke: bool) -> dict[str, int]:
     return SMOKE_ITEMS if smoke else TEST_ITEMS
+
+
+def eval_limit_flag(smoke: bool) -> str:
+    """The recipes' `--eval_limit` for the test items."""
+    return ",".join(f"{task}={n}" for task, n in item_limits(smoke).items())
 
 
 def write_rows(folder: Path, splits: dict[str, list[dict]]) -> None:
@@ -179,13 +184,12 @@ class TeacherViewTask(GSM8KTask):
 
 def opd_test_command(chosen: dict, folder: Path, out: Path, smoke: bool) -> list[str]:
     view, flags = CANDIDATES[chosen["candidate"]]
-    items = item_limits(smoke)
     return [
         sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags,
         "--teacher_prompt_template", TEMPLATES[view], "--dataset_name", str(folder / "gsm8k"),
         "--eval_data", str(folder), "--output_dir", str(out / "test" / "opd"), "--max_steps", str(chosen["steps"]),
         "--eval_before", "true", "--eval_tasks", "gsm8k,truthfulqa",
-        "--eval_limit", ",".join(f"{task}={n}" for task, n in items.items()),
+        "--eval_limit", eval_limit_flag(smoke),
         "--num_probes", "8", "--probe_steps", str(max(1, chosen["steps"] // 4)),
         *(SMOKE if smoke else []),
     ]  # fmt: skip
@@ -196,10 +200,9 @@ def sft_test_command(folder: Path, out: Path, max_flops: float, smoke: bool) -> 
     stopped at the first step whose training FLOPs reach `max_flops` (the OPD run's)."""
     config = yaml.safe_load((ROOT / "recipes" / "configs" / "real" / "gsm8k_lora_sft.yaml").read_text())
     config.pop("train_size")  # the whole pool, as OPD reads it
-    items = item_limits(smoke)
     config.update({
         "dataset_name": str(folder / "gsm8k"), "eval_data": str(folder), "eval_tasks": "gsm8k,truthfulqa",
-        "eval_limit": ",".join(f"{task}={n}" for task, n in items.items()), "eval_before": False,
+        "eval_limit": eval_limit_flag(smoke), "eval_before": False,
         "eval_max_new_tokens": 8 if smoke else 256, "output_dir": str(out / "test" / "sft"),
         "per_device_train_batch_size": 8, "learning_rate": 2.0e-4, "max_length": 512,
         "max_steps": 1000, "max_flops": max_flops,
@@ -244,26 +247,22 @@ def reference_nll(model_path: str, folder: Path, smoke: bool) -> dict[str, float
 
 
 def arm_scores(items: Path, nll: dict | None) -> dict[str, dict[str, float]]:
-    """Per-item scores of one model: `{metric: {question: score}}`. `repeats` (exploratory, added after the dev phase
-    showed it): the answer holds more than one `####` line."""
+    """Per-item scores of one model from its `.items.jsonl`, read once: `{metric: {question: score}}`. `repeats`
+    (exploratory, added after the dev phase showed it): the answer holds more than one `####` line."""
+    lines = [json.loads(line) for line in items.read_text().splitlines()]
+    gsm8k = [line for line in lines if line["task"] == "gsm8k"]
+    truthfulqa = [line for line in lines if line["task"] == "truthfulqa"]
     scores = {
-        "format": {q: float(a is not None) for q, a in read_items(items, "gsm8k", "strict").items()},
-        "repeats": {q: float(o.count("####") > 1) for q, o in read_items(items, "gsm8k", "output").items()},
-        "strict": item_scores(items, "gsm8k", "correct_strict"),
-        "flexible": item_scores(items, "gsm8k", "correct_flexible"),
+        "format": {x["question"]: float(x["strict"] is not None) for x in gsm8k},
+        "repeats": {x["question"]: float(x["output"].count("####") > 1) for x in gsm8k},
+        "strict": {x["question"]: float(x["correct_strict"]) for x in gsm8k},
+        "flexible": {x["question"]: float(x["correct_flexible"]) for x in gsm8k},
     }
     if nll is not None:
         scores["nll"] = nll
-    for metric in ("mc1", "mc2"):
-        by_question = item_scores(items, "truthfulqa", metric)
-        if by_question:
-            scores[metric] = by_question
+    if truthfulqa:
+        scores.update({metric: {x["question"]: float(x[metric]) for x in truthfulqa} for metric in ("mc1", "mc2")})
     return scores
-
-
-def read_items(items: Path, task: str, field: str) -> dict[str, object]:
-    lines = (json.loads(line) for line in items.read_text().splitlines())
-    return {line["question"]: line.get(field) for line in lines if line["task"] == task}
 
 
 def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
