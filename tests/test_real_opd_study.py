@@ -132,3 +132,32 @@ def test_the_sft_baseline_config_reads_the_whole_pool_and_stops_at_the_opd_runs_
     )
     assert (model.use_peft, model.lora_r, model.lora_alpha) == (True, 16, 32)
     assert training.max_steps > 1.5e15 / (6 * 135e6 * 8 * 512)  # the FLOPs, not max_steps, end the run
+
+
+def test_the_lens_summary_reads_the_runs_records_first_steps_against_last(tmp_path):
+    """Hand-written records: the first and last `window` steps' means, and the sampled KL (`logp - teacher_logp`)
+    of the ledger's sequences split by tokens holding a digit and by position, in each half of the run."""
+    ledger = tmp_path / "statelens"
+    ledger.mkdir()
+    steps = [{"step": s, "teacher_kl/supervised": s / 10, "teacher_nll": 1.0, "offpolicy_gap": 0.1 * s,
+              "state_nll": 2.0} for s in range(1, 7)]  # fmt: skip
+    (ledger / "steps.jsonl").write_text("\n".join(json.dumps(line) for line in steps))
+    history = [{"step": s, "completions/mean_length": 10 * s, "completions/clipped_ratio": 1.0} for s in range(1, 7)]
+    (tmp_path / "log_history.json").write_text(json.dumps(history + [{"step": 6, "train_runtime": 1.0}]))
+    samples = [
+        {"step": 2, "tokens": ["The", " 4", "2"], "prefix_len": [0, 1, 20], "logp": [-1.0, -2.0, -1.0],
+         "teacher_logp": [-1.5, -2.0, -0.5], "teacher_context_len": 800},
+        {"step": 6, "tokens": ["So"], "prefix_len": [70], "logp": [-1.0], "teacher_logp": [-1.25],
+         "teacher_context_len": 900},
+    ]  # fmt: skip
+    (ledger / "states.jsonl").write_text("\n".join(json.dumps(s) for s in samples))
+    lens = study.lens_summary(tmp_path, window=2)
+    assert lens["teacher_kl/supervised"] == {"first": pytest.approx(0.15), "last": pytest.approx(0.55)}
+    assert lens["completions/mean_length"] == {"first": 15, "last": 55}
+    first, second = lens["samples_first_half"], lens["samples_second_half"]
+    assert (first["sequences"], first["tokens"], second["tokens"]) == (1, 3, 1)
+    assert first["number_frac"] == pytest.approx(2 / 3)
+    assert first["kl_number"] == pytest.approx((0.0 - 0.5) / 2) and first["kl_other"] == pytest.approx(0.5)
+    assert first["kl_by_position"] == {"0-15": pytest.approx(0.25), "16-31": pytest.approx(-0.5)}
+    assert second["kl_number"] is None and second["kl_by_position"] == {"64-127": pytest.approx(0.25)}
+    assert lens["teacher_context_per_rollout"] == 850 and "drift_last" not in lens

@@ -12,7 +12,8 @@ from launching import free_port, launch
 from trl import DistillationConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
 
 from trl_statelens import OnPolicyDistillConfig
-from trl_statelens.runs import RecipeArguments
+from trl_statelens.evaluation.gsm8k import GSM8KTask
+from trl_statelens.runs import RecipeArguments, print_summary, target_change
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -169,6 +170,31 @@ def test_target_eval_flags_are_checked():
         RecipeArguments(target_eval_steps=-1)
     with pytest.raises(ValueError, match="--target_eval_limit must be a positive number"):
         RecipeArguments(target_eval_steps=5, target_eval_limit=0)
+
+
+def test_target_change_reads_the_chosen_per_problem_score(tmp_path, capsys):
+    """`--target_metric answer_found` (the real-model demo's target): the change line is the share of answers with a
+    `#### N` line, paired by question, from the records GSM8KTask.score wrote."""
+    task = GSM8KTask(source="lab", split="test")
+    outputs = {
+        "before": ["It is 3.", "#### 4", "so 5", "7 then 8"],
+        "after": ["#### 3", "#### 4", "#### 6", "7 then 8"],
+    }
+    (tmp_path / "eval").mkdir()
+    for when, texts in outputs.items():
+        records = [{"task": "gsm8k", "question": f"q{i}", "output": text, **task.score(text, {"ground_truth": "4"})}
+                   for i, text in enumerate(texts)]  # fmt: skip
+        (tmp_path / "eval" / f"{when}.items.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    found = target_change(tmp_path, "answer_found")
+    assert found["metric"] == "answer_found" and found["num_items"] == 4
+    assert found["change"] == pytest.approx(2 / 4)  # q0 and q2 gained a `#### N` line
+    assert found["ci95"][0] <= 0.5 <= found["ci95"][1]
+    assert target_change(tmp_path)["change"] == 0.0  # strict accuracy: q1 right before and after, the rest wrong
+    print_summary({"recipe": "x", "trainer": "T", "global_steps": 1, "train_seconds": 1.0, "before": None,
+                   "after": None, "target_change": found, "retention": None, "final_drift": None}, [], tmp_path)  # fmt: skip
+    assert "gsm8k answer_found change +0.500, 95% interval" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--target_metric must be one of"):
+        RecipeArguments(target_metric="accuracy")
 
 
 def test_recipe_rejects_an_unknown_eval_protocol(tmp_path, monkeypatch, student_path, teacher_path):

@@ -42,6 +42,7 @@ from .teachers import without_zero3_init
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
 LAB_TEACHER = "lab-teacher"
 TARGET_TASK = "gsm8k"  # the task the recipes train for
+TARGET_METRICS = ("correct_strict", "correct_flexible", "answer_found")  # per-problem scores of GSM8KTask.score
 
 
 @dataclass
@@ -81,6 +82,10 @@ class RecipeArguments:
         num_probes: probe prompts (from the test split) for probe drift; 0 turns drift off.
         probe_steps: measure probe drift every this many steps.
         ledger_sample_rate: share of supervised sequences written with their text to the ledger.
+        target_metric: the per-problem GSM8K score behind the summary's change line and `results.json`'s
+            `target_change`: `"correct_strict"` (right under the strict `#### N` match: the study's accuracy),
+            `"correct_flexible"` (the last number is right) or `"answer_found"` (the answer has a `#### N` line, the
+            format the strict metric reads).
         max_flops: stop after the first step at which the run's training FLOPs (`flops_total/total`, as
             `results.json`'s `compute`) reach this: a baseline at another run's compute (`StateLoggingCallback`'s
             `max_flops`); unset for no limit. `max_steps` still applies.
@@ -107,6 +112,7 @@ class RecipeArguments:
     num_probes: int = 16
     probe_steps: int = 10
     ledger_sample_rate: float = 0.05
+    target_metric: str = "correct_strict"
     max_flops: float | None = None
     baseline: str = field(default="statelens", metadata={"help": "'statelens' or 'stock'"})
     lab_seed: int = 0
@@ -128,6 +134,8 @@ class RecipeArguments:
             )
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval_batch_size must be a positive number of items, got {self.eval_batch_size}")
+        if self.target_metric not in TARGET_METRICS:
+            raise ValueError(f"--target_metric must be one of {TARGET_METRICS}, got {self.target_metric!r}")
         if self.max_flops is not None and self.baseline == "stock":
             raise ValueError(
                 "--max_flops reads the FLOPs count of a StateLens trainer's records, which a stock trainer does not "
@@ -299,7 +307,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
         "before": before,
         "after": after,
         "retention": retention,
-        "target_change": target_change(out),
+        "target_change": target_change(out, args.target_metric),
         "teacher_eval": teacher_scores,
         "final_drift": json.loads(drift_lines[-1]) if drift_lines else None,
         "train_seconds": round(train_seconds, 1),
@@ -349,18 +357,19 @@ def compute_counts(trainer) -> dict:
     return counts
 
 
-def target_change(out: Path) -> dict | None:
-    """The target's after - before on the same problems, with a 95% bootstrap interval over the problems."""
+def target_change(out: Path, metric: str = "correct_strict") -> dict | None:
+    """The target's after - before of one per-problem score on the same problems, with a 95% bootstrap interval over
+    the problems."""
     before, after = out / "eval" / "before.items.jsonl", out / "eval" / "after.items.jsonl"
     if not (before.exists() and after.exists()):
         return None
-    was, now = (item_scores(path, TARGET_TASK, "correct_strict") for path in (before, after))
+    was, now = (item_scores(path, TARGET_TASK, metric) for path in (before, after))
     questions = sorted(set(was) & set(now))
     if not questions:
         return None
     differences = [now[q] - was[q] for q in questions]
     low, high = paired_interval(differences)
-    return {"task": TARGET_TASK, "change": sum(differences) / len(differences), "ci95": [low, high],
+    return {"task": TARGET_TASK, "metric": metric, "change": sum(differences) / len(differences), "ci95": [low, high],
             "num_items": len(questions)}  # fmt: skip
 
 
@@ -408,7 +417,9 @@ def print_summary(results: dict, log_history: list[dict], out: Path, report: Pat
     change = results.get("target_change")
     if change:
         low, high = change["ci95"]
-        print(f"{change['task']} change {change['change']:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}] over "
+        metric = change.get("metric", "correct_strict")
+        label = change["task"] if metric == "correct_strict" else f"{change['task']} {metric}"
+        print(f"{label} change {change['change']:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}] over "
               f"{change['num_items']} problems (paired bootstrap)")  # fmt: skip
     if results["retention"]:
         print(

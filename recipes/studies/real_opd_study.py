@@ -273,6 +273,57 @@ def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {"difference": statistics.mean(differences), "low": low, "high": high, "items": len(questions)}
 
 
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def lens_summary(run_dir: Path, window: int = 5) -> dict:
+    """What the OPD run's records show (issue 34's "the lens on the real run"), the first `window` steps against the
+    last: from `steps.jsonl` the sampled reverse KL to the teacher on the supervised tokens, the teacher's NLL of
+    the student's tokens, the off-policy gap (state NLL less entropy: how unlike its own typical samples the student's
+    states are) and the state NLL; from `log_history.json` rollout length and the share cut at the limit; from the
+    sampled sequences of `states.jsonl` (the ledger's 5%), the sampled KL on tokens holding a digit and on the rest,
+    and by position along the answer, in the run's first half and second half; from `drift.jsonl` the probes' MMD
+    and `base_kl` at the last probe step. Also the teacher's privileged context per rollout (its prompt tokens over
+    the student's), which the run's FLOPs count before `teacher_context_tokens` left out."""
+    steps = read_lines(run_dir / "statelens" / "steps.jsonl")
+    history = [e for e in json.loads((run_dir / "log_history.json").read_text()) if "completions/mean_length" in e]
+
+    def first_last(rows: list[dict], key: str) -> dict[str, float]:
+        values = [row[key] for row in rows if row.get(key) is not None]
+        return {"first": statistics.mean(values[:window]), "last": statistics.mean(values[-window:])}
+
+    summary = {
+        key: first_last(steps, key) for key in ("teacher_kl/supervised", "teacher_nll", "offpolicy_gap", "state_nll")
+    }
+    summary.update({key: first_last(history, key) for key in ("completions/mean_length", "completions/clipped_ratio")})
+    samples = read_lines(run_dir / "statelens" / "states.jsonl")
+    half = max(s["step"] for s in samples) / 2 if samples else 0
+    for name, part in (
+        ("first_half", [s for s in samples if s["step"] <= half]),
+        ("second_half", [s for s in samples if s["step"] > half]),
+    ):
+        kl = [(any(c.isdigit() for c in token), position, logp - teacher)
+              for s in part for token, position, logp, teacher in zip(s["tokens"], s["prefix_len"], s["logp"], s["teacher_logp"])]  # fmt: skip
+        number = [k for digit, _, k in kl if digit]
+        bins = {f"{low}-{high - 1}": [k for _, position, k in kl if low <= position < high]
+                for low, high in ((0, 16), (16, 32), (32, 64), (64, 128), (128, 10**6))}  # fmt: skip
+        summary[f"samples_{name}"] = {
+            "sequences": len(part),
+            "tokens": len(kl),
+            "number_frac": len(number) / len(kl) if kl else None,
+            "kl_number": statistics.mean(number) if number else None,
+            "kl_other": statistics.mean([k for digit, _, k in kl if not digit]) if len(number) < len(kl) else None,
+            "kl_by_position": {b: statistics.mean(v) for b, v in bins.items() if v},
+        }
+    contexts = [s["teacher_context_len"] for s in samples if "teacher_context_len" in s]
+    summary["teacher_context_per_rollout"] = statistics.mean(contexts) if contexts else None
+    drift = read_lines(run_dir / "statelens" / "drift.jsonl")
+    if drift:
+        summary["drift_last"] = {key: drift[-1].get(key) for key in ("step", "mmd", "base_kl", "base_kl_topk")}
+    return summary
+
+
 def test_phase(data: Path, out: Path, smoke: bool) -> dict:
     chosen = json.loads((out / "chosen.json").read_text())
     folder = write_test_data(data, out)
@@ -310,6 +361,7 @@ def test_phase(data: Path, out: Path, smoke: bool) -> dict:
             f"{a} - {b}": {m: paired(arms[a][m], arms[b][m]) for m in arms[a] if m in arms[b]}
             for a, b in (("opd", "base"), ("sft", "base"), ("opd", "sft"), ("teacher", "opd"))
         },
+        "lens": lens_summary(opd),
     }
     (out / "test.json").write_text(json.dumps(results, indent=2))
     lines = ["| comparison | metric | difference | 95% interval | items |", "|---|---|---:|---|---:|"]

@@ -204,7 +204,7 @@ class GSM8KTask:
             for e, output in zip(examples, outputs)
         ]
         metrics = {f"accuracy_{mode}": mean([r[f"correct_{mode}"] for r in records]) for mode in EXTRACTION_MODES}
-        metrics["answer_found"] = mean([r.pop("answer_found") for r in records])
+        metrics["answer_found"] = mean([r["answer_found"] for r in records])
         metrics["num_items"] = len(records)
         if self.num_samples:
             metrics["accuracy_sampled"] = self._sampled_accuracy(model, tokenizer, examples, progress)
