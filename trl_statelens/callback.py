@@ -213,6 +213,7 @@ class StateLoggingCallback(TrainerCallback):
             if groups:
                 metrics["reward_groups/spread_frac"] = statistics.mean(has_spread(g["rewards"]) for g in groups)
             metrics.update(self._accounting(metrics))
+            metrics.update(self.trainer._step_trace())
             self._log_metrics(metrics)
             if self.max_flops is not None and metrics["flops_total/total"] >= self.max_flops:
                 control.should_training_stop = True  # the same count on every rank: all of them stop here

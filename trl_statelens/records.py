@@ -377,6 +377,10 @@ class StateRecorderMixin:
         )
         self._state_sequences_in_step += num_sequences
 
+    def _step_trace(self) -> dict[str, float]:
+        """Settings of the optimizer step that just ended to write beside its records (`steps.jsonl`); none here."""
+        return {}
+
     def _count_teacher_tokens(self, rows: list[list[int]]) -> None:
         """Count the token positions of `rows` (this rank's own: a stand-in row or chunk that only joins the other ranks'
         collectives is never passed) as teacher work of the current optimizer step: the positions it scores (each
