@@ -361,6 +361,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         batch = self._rollout_batch
         # The teacher reads its own prompts (a self teacher's hold the row's privileged context), the student its own
         batch.teacher_prompts = teacher_prompts = self.teacher.prompts(prompt_ids, batch.rows)
+        self._count_teacher_context(teacher_prompts, prompt_ids)
         swap = [i for i, s in enumerate(batch.sources) if s != "learner"]
         teacher_rows = [i for i in swap if batch.sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
