@@ -108,10 +108,10 @@ def test_dataset_reference_longer_than_the_limit_is_truncated_not_given_an_eos(
     tokens = lambda text: trainer._tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     long_answer, short_answer = " 1234567890123", " 12"
     assert len(tokens(long_answer)) > 6 and len(tokens(short_answer)) < 5
-    assert trainer._reference_ids(long_answer) == tokens(long_answer)[:6]  # cut at the limit, no eos
-    assert trainer._reference_ids(short_answer) == tokens(short_answer) + [eos]
+    assert trainer._reference_ids(long_answer, 6) == tokens(long_answer)[:6]  # cut at the limit, no eos
+    assert trainer._reference_ids(short_answer, 6) == tokens(short_answer) + [eos]
     exactly_six = trainer._tokenizer.decode(tokens(long_answer)[:6])
-    assert trainer._reference_ids(exactly_six) == tokens(long_answer)[:6]  # no room left for its eos: truncated
+    assert trainer._reference_ids(exactly_six, 6) == tokens(long_answer)[:6]  # no room left for its eos: truncated
     rows = [{**row, "completion": answer} for row, answer in zip(_rows(math_dataset, 2), [long_answer, short_answer])]
     batch = trainer._generate_and_score_completions([rows[0], rows[0], rows[1], rows[1]])
     # the long reference is masked as GRPO masks a truncated rollout; the short one is supervised, eos included

@@ -162,7 +162,7 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         train_dataset=data,
         callbacks=[StateLoggingCallback(sample_rate=0.0), tokens_seen],
     )
-    by_hand = Counter()
+    by_hand, context = Counter(), Counter()
     generate_and_score = trainer._generate_and_score_completions
 
     def counted(inputs):
@@ -173,6 +173,9 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         else:  # every rollout scored; those of teacher states written by the teacher first
             count = mask.sum() + mask[output["row_source"] == source_code("teacher")].sum()
         by_hand[trainer.state.global_step + 1] += int(count)
+        # a self teacher's prompts are longer than the student's (`prompt_mask`) by its privileged context
+        extra = [len(t) - int(m.sum()) for t, m in zip(output["teacher_prompt_ids"], output["prompt_mask"])]
+        context[trainer.state.global_step + 1] += sum(extra)
         return output
 
     trainer._generate_and_score_completions = counted
@@ -192,18 +195,20 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         "served": lambda: None,
     }[kind]()
     cut = signal == "continuation"
-    for line, before, after in zip(steps, tokens_seen.seen, tokens_seen.seen[1:]):
+    assert (min(context.values()) > 0) == (kind == "self") and max(context.values()) >= 0
+    for step, (line, before, after) in enumerate(zip(steps, tokens_seen.seen, tokens_seen.seen[1:]), start=1):
         tokens, supervised = after - before, line["supervised_tokens"]
-        assert tokens > 0
+        assert tokens > 0 and line.get("teacher_context_tokens", 0) == context[step]
         assert line["flops/student_generation"] == pytest.approx(2 * student * tokens)
         assert line["flops/student_training"] == pytest.approx(6 * student * (tokens + cut * supervised))
         if teacher is None:
             assert line["flops/teacher"] is None and line["flops/total"] is None
         else:
-            expected = (2 + 2 * cut) * teacher * tokens + 4 * cut * teacher * supervised
+            expected = (2 + 2 * cut) * teacher * (tokens + context[step]) + 4 * cut * teacher * supervised
             assert line["flops/teacher"] == pytest.approx(expected)
     counts = compute_counts(trainer)
     assert counts["teacher_tokens"] == by_hand[1] + by_hand[2]
+    assert counts["teacher_context_tokens"] == context[1] + context[2]
     for part, value in {**counts["flops_by_part"], "total": counts["flops"]}.items():
         if value is None:  # a served teacher's part, and so the total
             assert steps[-1][f"flops_total/{part}"] is None and part in ("teacher", "total") and teacher is None

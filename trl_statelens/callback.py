@@ -213,6 +213,7 @@ class StateLoggingCallback(TrainerCallback):
             if groups:
                 metrics["reward_groups/spread_frac"] = statistics.mean(has_spread(g["rewards"]) for g in groups)
             metrics.update(self._accounting(metrics))
+            metrics.update(self.trainer._step_trace())
             self._log_metrics(metrics)
             if self.max_flops is not None and metrics["flops_total/total"] >= self.max_flops:
                 control.should_training_stop = True  # the same count on every rank: all of them stop here
@@ -241,7 +242,13 @@ class StateLoggingCallback(TrainerCallback):
     # ----- accounting ----------------------------------------------------------------------------------------
     def _flops(self) -> dict[str, float | None]:
         """The run's training FLOPs so far by part (`runs.compute_counts`' count, from the same totals)."""
-        return self._compute.split(tokens_seen(self.trainer), self._totals.get("supervised_tokens", 0.0), self._totals)
+        totals = self._totals
+        return self._compute.split(
+            tokens_seen(self.trainer),
+            totals.get("supervised_tokens", 0.0),
+            totals,
+            totals.get("teacher_context_tokens", 0.0),
+        )
 
     def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:
         """`teacher_tokens_total`, and the step's (`flops/<part>`) and the run's (`flops_total/<part>`) training FLOPs

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FLOPS_PARTS = ("student_generation", "student_training", "teacher")
+LEDGER_COUNTS = ("supervised_tokens", "teacher_tokens", "teacher_context_tokens")  # per-step counts the run sums
 
 
 def matmul_parameters(model) -> int:
@@ -78,7 +79,10 @@ class ComputeCounter:
     token), scores them (the same again) and the student trains on them (6 N_S). A trainer that does not sample (SFT)
     is trained on its tokens only (6 N_S).
 
-    N_T is the teacher's size: the student's for a self teacher (its privileged context's extra tokens not counted);
+    A self teacher reads its own prompt, longer than the student's by its privileged context: those extra tokens
+    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes.
+
+    N_T is the teacher's size: the student's for a self teacher;
     with several teachers, their sizes weighted by the tokens each supervised (`supervised_tokens/<name>`). A teacher
     on a server has a size this process cannot know: its FLOPs are then `None`, and so is the total.
     """
@@ -109,14 +113,17 @@ class ComputeCounter:
             return 0
         return weighted_teacher_size(self.teacher_sizes, [supervised_by_teacher or {}])
 
-    def split(self, tokens: float, supervised: float, supervised_by_teacher: dict | None = None) -> dict:
+    def split(
+        self, tokens: float, supervised: float, supervised_by_teacher: dict | None = None, teacher_context: float = 0.0
+    ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
-        counts them) and `supervised` tokens."""
+        counts them), `supervised` tokens and `teacher_context` tokens (a self teacher's, `teacher_context_tokens`)."""
         student, teacher = self.student, self.teacher(supervised_by_teacher)
+        teacher_reads = tokens + teacher_context
         parts = {
             "student_generation": 2 * student * tokens if self.samples else 0.0,
             "student_training": (6 + 2 * self.reference) * student * tokens,
-            "teacher": None if teacher is None else (2 + 2 * self.continuation) * teacher * tokens,
+            "teacher": None if teacher is None else (2 + 2 * self.continuation) * teacher * teacher_reads,
         }
         if self.continuation:
             parts["student_training"] += 6 * student * supervised
@@ -127,11 +134,11 @@ class ComputeCounter:
 
 
 def ledger_totals(lines: list[dict]) -> dict[str, float]:
-    """The per-step counts of ledger lines (`steps.jsonl`) summed: `supervised_tokens`, `supervised_tokens/<name>`
-    and `teacher_tokens`, those the lines hold."""
+    """The per-step counts of ledger lines (`steps.jsonl`) summed: `supervised_tokens`, `supervised_tokens/<name>`,
+    `teacher_tokens` and `teacher_context_tokens`, those the lines hold."""
     totals = {}
     for line in lines:
         for key, value in line.items():
-            if key.split("/")[0] in ("supervised_tokens", "teacher_tokens") and value is not None:
+            if key.split("/")[0] in LEDGER_COUNTS and value is not None:
                 totals[key] = totals.get(key, 0.0) + value
     return totals

@@ -111,6 +111,21 @@ class OnPolicyDistillConfig(GRPOConfig):
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
             Refused when no teacher is loaded from a path (a model instance, a served or a self teacher).
 
+        > Teacher budget: where the teacher's compute goes
+
+        horizon (`int`, *optional*):
+            Tokens sampled per rollout (so supervised, and scored or written by the teacher): each rollout is the
+            first `horizon` tokens of what `max_completion_length` would sample, as in rollout-horizon control
+            (truncated OPD). `None` (the default) samples `max_completion_length`. A `teacher` state source's rollout
+            and a `dataset` reference are cut at the same length. A rollout cut at the horizon counts as truncated, so
+            `mask_truncated_completions=True` (which would mask every one of them) is refused with it. Each step's
+            horizon is in the records (`horizon` in `steps.jsonl`); the probes keep sampling `max_completion_length`
+            tokens, so drift and the teacher's disagreement stay measured past the horizon.
+        horizon_growth (`int`, *optional*, defaults to `0`):
+            Tokens the horizon grows by after every optimizer step: the rollouts of step $k$ (from 0) are
+            $\min(\text{horizon} + k \cdot \text{horizon\_growth}, \text{max\_completion\_length})$ tokens long
+            (progressive OPD). `0` keeps the horizon fixed. Needs `horizon`.
+
         > The student as its own teacher (self-distillation with privileged context; TRL's `SDFTConfig` names)
 
         teacher_model_kind (`str`, *optional*):
@@ -199,6 +214,8 @@ class OnPolicyDistillConfig(GRPOConfig):
     )
     reference_column: str = field(default="completion", metadata={"help": "Reference answers for `dataset`."})
     reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
+    horizon: int | None = field(default=None, metadata={"help": "Tokens sampled and supervised per rollout."})
+    horizon_growth: int = field(default=0, metadata={"help": "Tokens the horizon grows by each optimizer step."})
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
     )
@@ -287,6 +304,7 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "rollouts needs GRPO's clipped importance ratios, which its losses do not have. Set num_iterations=1"
             )
         self._check_grpo_loss_settings()
+        self._check_horizon()
         self._check_self_teacher_settings()
         # Which teacher reads the teacher settings is known here for a self teacher or teacher_model_server_url;
         # otherwise the trainer checks them once its teacher_model is given
@@ -427,6 +445,29 @@ class OnPolicyDistillConfig(GRPOConfig):
                 stacklevel=4,  # the caller of the config's __init__
             )
 
+    def _check_horizon(self):
+        if self.horizon_growth < 0:
+            raise ValueError(
+                f"horizon_growth must be a number of tokens (0 for a fixed horizon), got {self.horizon_growth}"
+            )
+        if self.horizon is None:
+            if self.horizon_growth:
+                raise ValueError(
+                    f"horizon_growth={self.horizon_growth} grows the rollout horizon, which is unset: give the first "
+                    "horizon too (horizon=16 starts at 16 tokens), or leave horizon_growth at 0"
+                )
+            return
+        if not 1 <= self.horizon <= self.max_completion_length:
+            raise ValueError(
+                f"horizon={self.horizon} must be between 1 and max_completion_length={self.max_completion_length} "
+                "tokens (unset samples max_completion_length)"
+            )
+        if self.mask_truncated_completions:
+            raise ValueError(
+                "mask_truncated_completions=True masks every rollout cut at the horizon (it ends without eos), so a "
+                "horizon would supervise almost nothing: leave mask_truncated_completions at False with a horizon"
+            )
+
     def _check_self_teacher_settings(self):
         if self.teacher_model_kind is None:
             return
@@ -490,6 +531,12 @@ class OnPolicyDistillConfig(GRPOConfig):
     def _stock_config(self, config_class, skip=(), **fields):
         """A `config_class` with every field both configs have copied from this one (but those in `skip`), and
         `fields` on top (`trl_statelens.stock_sdft` builds TRL's `SDFTConfig` with it too)."""
+        if self.horizon is not None:
+            raise ValueError(
+                f"horizon={self.horizon}: TRL's {config_class.__name__} samples max_completion_length tokens per "
+                "rollout and has no horizon; for the stock baseline of a run with a horizon, leave horizon unset and "
+                "set max_completion_length to it (a fixed horizon is that run)"
+            )
         stock_fields = {f.name for f in dataclasses.fields(config_class) if f.init} - set(skip)
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in stock_fields}
         return config_class(**{**shared, **fields})

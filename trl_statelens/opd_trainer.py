@@ -213,6 +213,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
         self._rollout_batch: RolloutBatch | None = None  # while a generation batch is made (see `RolloutBatch`)
         self._teacher_tokens = 0  # the records' `teacher_tokens` (`_count_teacher_tokens`)
+        self._rollout_length = self.max_completion_length  # this generation batch's (`_set_rollout_length`)
         self._forward_redirection = _ForwardRedirection()
         # Everything the trainer asks of its teacher goes through `self.teacher` (the `teachers` package)
         if args.teacher_model_kind is not None:
@@ -353,25 +354,27 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return teachers
 
     def _generate(self, prompts):
+        length = self._set_rollout_length()
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
             prompts
         )
         batch = self._rollout_batch
         # The teacher reads its own prompts (a self teacher's hold the row's privileged context), the student its own
         batch.teacher_prompts = teacher_prompts = self.teacher.prompts(prompt_ids, batch.rows)
+        self._count_teacher_context(teacher_prompts, prompt_ids)
         swap = [i for i, s in enumerate(batch.sources) if s != "learner"]
         teacher_rows = [i for i in swap if batch.sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
         rollouts = self.teacher.generate(
             [teacher_prompts[i] for i in teacher_rows],
-            self.max_completion_length,
+            length,
             teachers=[batch.teachers[i] for i in teacher_rows],
         )
         self._count_teacher_tokens(rollouts)
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:
-                ids = replacement[i] if i in replacement else self._reference_ids(batch.references[i])
+                ids = replacement[i] if i in replacement else self._reference_ids(batch.references[i], length)
                 completion_ids[i] = ids
                 text = self._tokenizer.decode(ids, skip_special_tokens=True)
                 completions[i] = [{"role": "assistant", "content": text}] if isinstance(prompts[i], list) else text
@@ -392,15 +395,33 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         batch.scoring_rollouts = True
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
 
-    def _reference_ids(self, reference) -> list[int]:
+    def _reference_ids(self, reference, length: int) -> list[int]:
         """The dataset's reference answer as completion tokens, ended by eos like a finished rollout; one that does not
-        fit in `max_completion_length` with its eos is cut there without one, like a rollout that hit the limit (so
+        fit in the rollout `length` with its eos is cut there without one, like a rollout that hit the limit (so
         `mask_truncated_completions` masks it as GRPO masks those)."""
         text = reference[-1]["content"] if isinstance(reference, list) else reference
         ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= self.max_completion_length:
-            return ids[: self.max_completion_length]
+        if len(ids) >= length:
+            return ids[:length]
         return ids + [self.eos_token_ids[0]]
+
+    def _set_rollout_length(self) -> int:
+        """This generation batch's tokens per rollout, set where GRPO's generation reads it: `max_completion_length`,
+        or the `horizon` grown by `horizon_growth` per optimizer step so far, up to it. The same on every rank (it
+        depends on the step only), and again after a resume."""
+        length = self.max_completion_length
+        if self.args.horizon is not None:
+            length = min(self.args.horizon + self.args.horizon_growth * self.state.global_step, length)
+        if self.use_vllm:
+            self.vllm_generation.max_completion_length = length
+        else:
+            self.generation_config.max_new_tokens = self.generation_kwargs["max_new_tokens"] = length
+        self._rollout_length = length
+        return length
+
+    def _step_trace(self) -> dict[str, float]:
+        """The lever settings the optimizer step ran with, for its ledger line: the rollout `horizon` when one is set."""
+        return {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
 
     def _continue_with_teacher(self, output: dict) -> dict:
         """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there. A rollout

@@ -65,6 +65,7 @@ class StateRecords:
     teacher: torch.Tensor | None = None  # None: no teacher routing, every entry -1
     samples: list[dict] = field(default_factory=list)
     teacher_tokens: int | None = None  # positions the teacher scored or wrote (all ranks); None: no teacher
+    teacher_context_tokens: int = 0  # tokens of a self teacher's prompts beyond the student's (all ranks)
 
     def __post_init__(self):
         if self.teacher is None:
@@ -88,7 +89,12 @@ class StateRecords:
     def cpu(self) -> StateRecords:
         """The same records with every column on the CPU."""
         columns = {name: getattr(self, name).cpu() for name in TOKEN_FIELDS}
-        return StateRecords(**columns, samples=self.samples, teacher_tokens=self.teacher_tokens)
+        return StateRecords(
+            **columns,
+            samples=self.samples,
+            teacher_tokens=self.teacher_tokens,
+            teacher_context_tokens=self.teacher_context_tokens,
+        )
 
     def gather(self, accelerator) -> StateRecords:
         """The records of every rank, on every rank (a no-op with one process).
@@ -133,6 +139,8 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
     metrics = {"supervised_tokens": float(num_tokens), "sequences": float(num_sequences.numel())}
     if records.teacher_tokens is not None:
         metrics["teacher_tokens"] = float(records.teacher_tokens)
+    if records.teacher_context_tokens:
+        metrics["teacher_context_tokens"] = float(records.teacher_context_tokens)
     for code, name in enumerate(teacher_names):
         metrics[f"supervised_tokens/{name}"] = float((records.teacher == code).sum())
     if num_tokens == 0:
@@ -234,6 +242,9 @@ class StateRecorderMixin:
     # A trainer with a teacher sets it to 0: the positions its teacher scored or wrote on this rank since the last
     # collection (`_count_teacher_tokens`)
     _teacher_tokens: int | None = None
+    # The tokens a self teacher's prompts held beyond the student's on this rank since the last collection: the
+    # privileged context it reads at every position it scores (`_count_teacher_context`)
+    _teacher_context_tokens: int = 0
 
     def _collect_reward_groups(self) -> list[dict]:
         """The groups of rollouts since the last call, each `{"prompt_id", "rewards", ...}`; GRPO's (every rank holds
@@ -245,6 +256,7 @@ class StateRecorderMixin:
         self._state_sequences_in_step = 0
         if self._teacher_tokens is not None:
             self._teacher_tokens = 0
+        self._teacher_context_tokens = 0
 
     @torch.no_grad()
     def _record_states(
@@ -377,6 +389,10 @@ class StateRecorderMixin:
         )
         self._state_sequences_in_step += num_sequences
 
+    def _step_trace(self) -> dict[str, float]:
+        """Settings of the optimizer step that just ended to write beside its records (`steps.jsonl`); none here."""
+        return {}
+
     def _count_teacher_tokens(self, rows: list[list[int]]) -> None:
         """Count the token positions of `rows` (this rank's own: a stand-in row or chunk that only joins the other ranks'
         collectives is never passed) as teacher work of the current optimizer step: the positions it scores (each
@@ -384,6 +400,13 @@ class StateRecorderMixin:
         `teacher` state source's rollout, a `continuation`). Training only."""
         if self._teacher_tokens is not None and self.model.training:
             self._teacher_tokens += sum(len(row) for row in rows)
+
+    def _count_teacher_context(self, teacher_prompts: list[list[int]], student_prompts: list[list[int]]) -> None:
+        """Count how many more tokens the teacher's prompts hold than the student's (this rank's rows; none unless the
+        teacher reads its own prompts, as a self teacher does): its forward runs over them too, which the FLOPs count
+        (`ComputeCounter`) adds to the rollout tokens. Training only."""
+        if self.model.training:
+            self._teacher_context_tokens += sum(len(t) - len(s) for t, s in zip(teacher_prompts, student_prompts))
 
     def _collect_state_records(self, sample_rate: float, seed: int = 0) -> StateRecords:
         """The records of the optimizer step that just ended, from every rank; clears the buffer.
@@ -408,6 +431,8 @@ class StateRecorderMixin:
         if self._teacher_tokens is not None:
             records.teacher_tokens = sum(gather_counts(accelerator, self._teacher_tokens))
             self._teacher_tokens = 0
+            records.teacher_context_tokens = sum(gather_counts(accelerator, self._teacher_context_tokens))
+            self._teacher_context_tokens = 0
         return records
 
     def _sample_sequences(self, part: _MicroBatchStates, indices: list[int], step: int, rank: int) -> list[dict]:

@@ -812,15 +812,20 @@ def target_scores_during(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray]
 
 
 def training_flops(run: Run, steps) -> np.ndarray | None:
-    """Training FLOPs up to the end of each of `steps`, from `results.json`'s `compute` counts, the logged
-    `num_tokens` (every `logging_steps`: linear in between) and the ledger's `supervised_tokens`; `None` without
-    them."""
+    """Training FLOPs up to the end of each of `steps`: the ledger's `flops_total/total` at the last step at or before
+    it where the ledger has it (it counts a self teacher's context too); else from `results.json`'s `compute` counts,
+    the logged `num_tokens` (every `logging_steps`: linear in between) and the ledger's `supervised_tokens`; `None`
+    without them."""
+    steps = np.asarray(steps, dtype=float)
+    ledger = column(run.steps, "flops_total/total")
+    if ledger is not None and len(ledger) and not np.isnan(ledger).any():
+        index = np.searchsorted(run.steps["step"].to_numpy(), steps, side="right")
+        return np.r_[0.0, ledger][index]
     compute = (run.results or {}).get("compute")
     logged = [(e["step"], e["num_tokens"]) for e in run.log_history or [] if isinstance(e, dict) and "num_tokens" in e]
     if not isinstance(compute, dict) or compute.get("flops_per_token") is None or not logged:
         return None  # (`None` per token: a served teacher, whose size is unknown)
     token_steps, tokens = np.array(logged, dtype=float).T
-    steps = np.asarray(steps, dtype=float)
     flops = compute["flops_per_token"] * np.interp(steps, np.r_[0.0, token_steps], np.r_[0.0, tokens])
     supervised = column(run.steps, "supervised_tokens")
     if compute.get("flops_per_supervised_token") and supervised is not None:

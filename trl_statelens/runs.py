@@ -331,8 +331,9 @@ def compute_counts(trainer) -> dict:
 
     `flops_per_token` multiplies `tokens`, `flops_per_supervised_token` the ledger's `supervised_tokens` (the report
     draws compute so far at each step from both), `flops_by_part` splits `flops` into student generation, student
-    training and teacher (the ledger's last `flops_total/*` are the same numbers), and `teacher_tokens` sums the
-    ledger's (`None` without). N_T (`teacher_parameters`, by teacher in `teacher_parameters_by_name` when there are
+    training and teacher (the ledger's last `flops_total/*` are the same numbers; with a self teacher they include
+    its prompts' extra tokens, `teacher_context_tokens`, which the per-token counts leave out), and `teacher_tokens`
+    sums the ledger's (`None` without). N_T (`teacher_parameters`, by teacher in `teacher_parameters_by_name` when there are
     several) and every FLOP count it enters are `None` for a teacher on a server, whose size is unknown here.
     """
     counter = ComputeCounter.of(trainer)
@@ -340,7 +341,8 @@ def compute_counts(trainer) -> dict:
     ledger = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else []
     totals = ledger_totals(ledger)
     tokens = tokens_seen(trainer)
-    by_part = counter.split(tokens, totals.get("supervised_tokens", 0.0), totals)
+    context = totals.get("teacher_context_tokens", 0.0)
+    by_part = counter.split(tokens, totals.get("supervised_tokens", 0.0), totals, context)
     per_token, per_supervised = counter.split(1, 0, totals)["total"], counter.split(0, 1, totals)["total"]
     counts = {
         "student_parameters": counter.student,
@@ -351,6 +353,7 @@ def compute_counts(trainer) -> dict:
         "flops": by_part.pop("total"),
         "flops_by_part": by_part,
         "teacher_tokens": totals.get("teacher_tokens"),
+        "teacher_context_tokens": context,
     }
     if counter.teacher_sizes is not None and len(counter.teacher_sizes) > 1:
         counts["teacher_parameters_by_name"] = counter.teacher_sizes

@@ -3,6 +3,7 @@ with the lens watching (STUDY.md, "Diagnosis").
 
     python recipes/studies/opd_diagnosis.py --out runs/opd-diagnosis --jobs 2       # the OPD arms
     python recipes/studies/opd_diagnosis.py --out runs/grpo-dev --arms $(python recipes/studies/opd_diagnosis.py --grpo_arms)
+    python recipes/studies/opd_diagnosis.py --out runs/budget-dev --steps 150 --arms $(python recipes/studies/opd_diagnosis.py --budget_arms)
     statelens report runs/opd-diagnosis/* --out runs/opd-diagnosis/report   # written at the end anyway
 
 Every arm distils the lab math teacher into the lab base (lab seed 0) with the demo's settings (8 prompts x 4
@@ -58,6 +59,16 @@ GRPO_ARMS = {
     for lr in ("1e-4", "3e-4")
 }  # fmt: skip
 GRPO_FLAGS = ["--max_steps", "60", "--target_eval_steps", "10", "--probe_steps", "10", "--eval_samples", "0"]
+# The pre-registered teacher-budget comparison of issue 36 (STUDY.md): the demo's setting (divergence, one rollout per
+# prompt, lr 3e-4) plain and with each horizon lever, to 150 steps; `--reach` reads what each needs to reach plain's
+# smoothed dev score at the demo's 75 steps
+BUDGET_ARMS = {
+    "budget_plain": ARMS["divergence_g1"],
+    "budget_h32": [*ARMS["divergence_g1"], "--horizon", "32"],
+    "budget_h48": [*ARMS["divergence_g1"], "--horizon", "48"],
+    "budget_prog16": [*ARMS["divergence_g1"], "--horizon", "16", "--horizon_growth", "1"],
+}
+BUDGET_REFERENCE, BUDGET_STEPS, BUDGET_MARGIN = "budget_plain", 75, 0.02
 # The lab's mild SFT (recipes/sft.py, lab config) on the same dev protocol, for the equal-compute comparison
 SFT_FLAGS = ["--target_eval_steps", "10", "--probe_steps", "10"]
 
@@ -65,22 +76,27 @@ SFT_FLAGS = ["--target_eval_steps", "10", "--probe_steps", "10"]
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/opd-diagnosis")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS, "sft"])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS, *BUDGET_ARMS, "sft"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--jobs", type=int, default=1, help="arms run at once, one process (one torch thread) each")
     parser.add_argument("--choose", action="store_true", help="only apply the pre-registered rule to finished arms")
     parser.add_argument("--grpo_arms", action="store_true", help="print the GRPO candidates' names and stop")
+    parser.add_argument("--budget_arms", action="store_true", help="print the teacher-budget arms' names and stop")
+    parser.add_argument("--reach", action="store_true", help="only read the finished teacher-budget arms (STUDY.md)")
     parser.add_argument("--tolerance", type=float, default=0.03, help="the rule's margin below the best (STUDY.md)")
     parser.add_argument(
         "extra", nargs="*", help="more recipe flags for every arm, after --, e.g. -- --learning_rate 1e-3"
     )
     args = parser.parse_args()
-    if args.grpo_arms:
-        print(" ".join(GRPO_ARMS))
+    if args.grpo_arms or args.budget_arms:
+        print(" ".join(GRPO_ARMS if args.grpo_arms else BUDGET_ARMS))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.reach:
+        reach(out, [arm for arm in BUDGET_ARMS if (out / arm / "results.json").exists()])
+        return
     if args.choose:
         choose(out, [arm for arm in args.arms if (out / arm / "results.json").exists()], args.tolerance)
         return
@@ -106,7 +122,8 @@ def main():
             command = [sys.executable, str(RECIPES / "grpo.py"), "--output_dir", str(folder), *common, *GRPO_FLAGS,
                        *GRPO_ARMS[arm]]  # fmt: skip
         else:
-            command = [sys.executable, str(RECIPES / "opd.py"), "--output_dir", str(folder), *common, *ARMS[arm]]
+            flags = BUDGET_ARMS[arm] if arm in BUDGET_ARMS else ARMS[arm]
+            command = [sys.executable, str(RECIPES / "opd.py"), "--output_dir", str(folder), *common, *flags]
         print(f"{arm}: {' '.join(command)}", flush=True)
         running.append((arm, subprocess.Popen(command, env=env, stdout=(folder / "log.txt").open("w"),
                                               stderr=subprocess.STDOUT)))  # fmt: skip
@@ -116,7 +133,69 @@ def main():
     print(f"all arms done in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
     report = write_report([out / arm for arm in args.arms], out / "report")
     print(f"report: {report}")
-    choose(out, args.arms, args.tolerance)
+    if all(arm in BUDGET_ARMS for arm in args.arms):
+        reach(out, args.arms)
+    else:
+        choose(out, args.arms, args.tolerance)
+
+
+def smoothed_dev_curve(run) -> tuple[list[int], list[float], list[float]]:
+    """(steps, dev scores, smoothed dev scores) of a run scored during training, step 0 the `before` score; smoothed:
+    the mean of a score and its neighbouring evaluations (STUDY.md)."""
+    steps, scores = target_scores_during(run, "accuracy_strict")
+    smoothed = [float(scores[max(i - 1, 0) : i + 2].mean()) for i in range(len(scores))]
+    return [int(s) for s in steps], [float(s) for s in scores], smoothed
+
+
+def reach(out: Path, arms: list[str]) -> dict:
+    """The pre-registered teacher-budget reading (STUDY.md, issue 36): the target is the plain arm's smoothed dev score
+    at `BUDGET_STEPS`; each arm's cost to reach it is read at its first evaluation whose smoothed score is within
+    `BUDGET_MARGIN` of the target: teacher tokens and training FLOPs so far (the ledger's totals) and wall time (the
+    logged step times, evaluations excluded). The goal: at least 50% fewer teacher tokens and 30% less compute than
+    the plain arm at its own first such evaluation."""
+    rows = {}
+    for arm in arms:
+        run = load_run(out / arm)
+        steps, scores, smoothed = smoothed_dev_curve(run)
+        ledger = {int(line["step"]): line for line in run.steps.to_dict("records")}
+        timed = [(e["step"], e["step_time"]) for e in run.log_history if "step_time" in e]
+        rows[arm] = {"steps": steps, "dev": scores, "smoothed": smoothed, "ledger": ledger, "timed": timed}
+    reference = rows[BUDGET_REFERENCE]
+    target = reference["smoothed"][reference["steps"].index(BUDGET_STEPS)]
+    result = {"target": target, "margin": BUDGET_MARGIN, "arms": {}}
+    for arm, row in rows.items():
+        hit = next((s for s, v in zip(row["steps"], row["smoothed"]) if s > 0 and v >= target - BUDGET_MARGIN), None)
+        cost = None
+        if hit is not None:
+            line = row["ledger"][hit]
+            # each logged step_time is the mean over the steps since the previous log
+            wall, previous = 0.0, 0
+            for step, seconds in row["timed"]:
+                if step > hit:
+                    break
+                wall, previous = wall + seconds * (step - previous), step
+            cost = {"step": hit, "teacher_tokens": line["teacher_tokens_total"], "flops": line["flops_total/total"],
+                    "seconds": wall}  # fmt: skip
+        result["arms"][arm] = {"reached": cost, "best_smoothed": max(row["smoothed"])}
+    plain = result["arms"][BUDGET_REFERENCE]["reached"]
+    print(
+        f"target: {BUDGET_REFERENCE}'s smoothed dev score at {BUDGET_STEPS} steps, {target:.3f} (margin {BUDGET_MARGIN})"
+    )
+    print(f"{'arm':<16}{'reached at':>11}{'teacher tokens':>16}{'FLOPs':>11}{'seconds':>9}{'goal':>6}")
+    for arm, entry in result["arms"].items():
+        cost = entry["reached"]
+        if cost is None:
+            print(f"{arm:<16}{'never':>11}   (best smoothed {entry['best_smoothed']:.3f})")
+            continue
+        entry["goal"] = bool(
+            plain is not None
+            and cost["teacher_tokens"] <= 0.5 * plain["teacher_tokens"]
+            and cost["flops"] <= 0.7 * plain["flops"]
+        )
+        print(f"{arm:<16}{cost['step']:>11}{cost['teacher_tokens']:>16,.0f}{cost['flops']:>11.2e}"
+              f"{cost['seconds']:>9.0f}{'yes' if entry['goal'] else 'no':>6}")  # fmt: skip
+    (out / "reach.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 def choose(out: Path, arms: list[str], tolerance: float) -> dict:
@@ -125,9 +204,8 @@ def choose(out: Path, arms: list[str], tolerance: float) -> dict:
     rows, base = [], None
     for arm in arms:
         run = load_run(out / arm)
-        steps, scores = target_scores_during(run, "accuracy_strict")  # step 0: the `before` evaluation
+        steps, scores, smoothed = smoothed_dev_curve(run)  # step 0: the `before` evaluation
         base = scores[0] if steps[0] == 0 else base
-        smoothed = [scores[max(i - 1, 0) : i + 2].mean() for i in range(len(scores))]
         flops = training_flops(run, steps)
         for i, step in enumerate(steps):
             if step > 0:
