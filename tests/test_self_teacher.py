@@ -100,6 +100,56 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
         torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("peft", [False, True])
+def test_a_shared_privileged_start_runs_once_and_scores_as_a_plain_forward(
+    tmp_path, math_trained_path, math_dataset, peft
+):
+    """Worked examples as the privileged context, the same on every row and first in the teacher's prompt: a `base`
+    teacher runs that shared start once for the whole run (a forward of it alone, once over two batches), and each
+    completion token's log-prob is still a plain forward of [teacher prompt + completion] (for a PEFT student, of the
+    base with the non-zero adapter disabled)."""
+    from peft import LoraConfig
+
+    context = " ".join(f"Example {i}: 3 + {i} = {3 + i}." for i in range(12))
+    template = "{privileged_context}\nNow: {prompt}"
+    data = with_context(math_dataset, [context])
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_prompt_template=template),
+        train_dataset=data,
+        peft_config=lora if peft else None,
+        state_logging=False,
+    )
+    lengths = []
+    model = trainer.accelerator.unwrap_model(trainer.teacher.model)
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            lengths.append(ids.shape)
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    rows = [dict(row) for row in data.select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
+    for _ in range(2):
+        batch = trainer._generate_and_score_completions(rows)
+        shared = trainer.teacher._shared_prefix_length(batch["teacher_prompt_ids"])
+        assert shared >= 64 and len({len(p) for p in batch["teacher_prompt_ids"]}) > 1  # a shared start, then not
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        teacher_logps = resolve_rows(batch["teacher_scores"], completion_ids, completion_mask).logps
+        for i, prompt in enumerate(batch["teacher_prompt_ids"]):
+            completion = completion_ids[i][completion_mask[i].bool()]
+            ids = torch.tensor(prompt + completion.tolist())[None]
+            with torch.no_grad():
+                logits = base(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.temperature
+            direct = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+            torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
+    assert lengths.count(torch.Size([1, shared])) == 1
+    assert not any(shape[1] > shared for shape in lengths if shape[0] == 8)  # no full-prompt forward of the rows
+
+
 def test_conversational_prompt_fills_the_template_into_its_last_user_message(tmp_path, math_trained_path, world):
     """As TRL's SDFT: the system message stays, the last user message becomes the filled template (its text as
     `{prompt}`), and the whole is formatted with the chat template as the student's prompt is; a conversational

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from accelerate.utils import is_peft_model
 from trl.data_utils import is_conversational
+from trl.trainer.utils import pad, selective_log_softmax
 
-from .base import left_padded
+from .base import RowScores, answered, batch_rows, left_padded
 from .in_process import InProcessTeacher
 from .self_teacher_weights import (
     EMA_FILE,
@@ -16,9 +19,14 @@ from .self_teacher_weights import (
     MovingAverage,
     SharedStudent,
     TeacherWeights,
+    _zero3,
     refuse_average_under_fsdp,
     refuse_copying_sharded,
 )
+
+# Shortest prompt start shared by every row that is run once for the batch (few-shot examples as privileged context:
+# hundreds of tokens); below it the one extra forward saves too little
+SHARED_PREFIX_MIN_TOKENS = 64
 
 
 class SelfTeacher(InProcessTeacher):
@@ -93,7 +101,66 @@ class SelfTeacher(InProcessTeacher):
     @torch.no_grad()
     def score(self, prompts, completions, distribution=False, teachers=None):
         with self.weights.applied():
+            shared = 0 if distribution else self._shared_prefix_length(prompts)
+            if shared:
+                return self._score_after_shared_prefix(prompts, completions, shared)
             return super().score(prompts, completions, distribution, teachers)
+
+    def _shared_prefix_length(self, prompts: list[list[int]]) -> int:
+        """How many first tokens every row's prompt shares, when `score` runs them once (0: it does not). Never a whole
+        prompt (its last token predicts the first completion token), never under ZeRO-3 (every forward there is a
+        collective each rank must make as often as the others) or gradient checkpointing (no key-value cache)."""
+        model = self.trainer.accelerator.unwrap_model(self.model)
+        if len(prompts) == 0 or _zero3(self.trainer) or getattr(model, "is_gradient_checkpointing", False):
+            return 0
+        length = min(len(p) for p in prompts) - 1
+        first = prompts[0]
+        for prompt in prompts[1:]:
+            length = next((i for i in range(length) if prompt[i] != first[i]), length)
+        return length if length >= SHARED_PREFIX_MIN_TOKENS else 0
+
+    def _score_after_shared_prefix(self, prompts, completions, length: int):
+        """`score` with the rows' shared first `length` prompt tokens run once: their keys and values, computed once
+        per call (once per run for the frozen `"base"` teacher, whose weights never change), are what each chunk of
+        rows attends to while it runs only its own tokens. The same log-probs as the plain forward up to float
+        rounding: each row's positions count on from the shared start, across its left padding."""
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(self.model)
+        device = trainer.accelerator.device
+        prefix = tuple(prompts[0][:length])
+        cached = getattr(self, "_prefix_cache", None)
+        if cached is None or cached[0] != prefix or self.kind != "base":
+            with trainer.accelerator.autocast():
+                cached = (prefix, model(torch.tensor([prefix], device=device), use_cache=True).past_key_values)
+            self._prefix_cache = cached if self.kind == "base" else None
+        args = trainer.args
+        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+        pad_id = trainer._tokenizer.pad_token_id
+        scores = []
+        for start in range(0, len(prompts), batch_size):
+            rest, chunk = (
+                [p[length:] for p in prompts[start : start + batch_size]],
+                completions[start : start + batch_size],
+            )
+            rest_ids, rest_mask = left_padded(rest, pad_id)
+            completion_rows = [torch.tensor(c or [pad_id], dtype=torch.long) for c in chunk]
+            completion_ids = pad(completion_rows, padding_value=pad_id)
+            completion_mask = pad([torch.full_like(r, int(bool(c))) for r, c in zip(completion_rows, chunk)], 0)
+            mask = torch.cat([torch.ones(len(chunk), length, dtype=torch.long), rest_mask, completion_mask], 1)
+            positions = (mask.cumsum(1) - 1).clamp(min=0)[:, length:]
+            past = copy.deepcopy(cached[1])
+            past.batch_repeat_interleave(len(chunk))
+            with trainer.accelerator.autocast():
+                logits = model(
+                    input_ids=torch.cat([rest_ids, completion_ids], 1).to(device),
+                    attention_mask=mask.to(device),
+                    position_ids=positions.to(device),
+                    past_key_values=past,
+                    logits_to_keep=completion_ids.size(1) + 1,
+                ).logits[:, :-1]
+            logps = selective_log_softmax(logits.float() / trainer.temperature, completion_ids.to(device))
+            scores += [RowScores(logps[i, : len(c)]) for i, c in enumerate(chunk)]
+        return batch_rows(answered(scores), len(scores))
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """As [`InProcessTeacher`]'s, on the batch's teacher prompts (`teacher_prompt_ids`, one list per row)."""
