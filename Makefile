@@ -65,7 +65,7 @@ demo: $(CORE)
 	$(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS) recipes/opd.py
 	@echo "How this setting was chosen, on the dev split, and why OPD moved this target slowly before: STUDY.md."
 
-# The real-model study's chosen setting, shortened (recipes/configs/real/demo.yaml): SmolLM2-135M-Instruct as its own
+# The real-model study's chosen setting, shortened (recipes/configs/real/self_distill_demo.yaml): SmolLM2-135M-Instruct as its own
 # teacher behind four solved examples, on real GSM8K from ../shared/data. `REAL_DATA=hub make demo-real` reads the
 # hub instead (network).
 REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
@@ -79,7 +79,7 @@ demo-real: $(STAMP)
 		exit 2; \
 	fi
 	rm -rf runs/real/demo
-	$(REAL_LAUNCH) recipes/self_distill.py --config recipes/configs/real/demo.yaml $(REAL_ARGS)
+	$(REAL_LAUNCH) recipes/self_distill.py --config recipes/configs/real/self_distill_demo.yaml $(REAL_ARGS)
 	@echo "The full run of this setting, scored on 250 GSM8K test problems with an SFT baseline: STUDY.md, \"A real model\"."
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).

@@ -229,7 +229,7 @@ CONFIG_TYPES = {
 def recipe_of(config_path: Path) -> str:
     name = config_path.stem
     if name.startswith(("opd", "self_distill")):
-        return name if name == "self_distill" else "opd"
+        return "self_distill" if name.startswith("self_distill") else "opd"
     return "eval" if "eval" in name else ("grpo" if "grpo" in name else "sft")
 
 
