@@ -108,10 +108,12 @@ class SelfTeacher(InProcessTeacher):
 
     def _shared_prefix_length(self, prompts: list[list[int]]) -> int:
         """How many first tokens every row's prompt shares, when `score` runs them once (0: it does not). Never a whole
-        prompt (its last token predicts the first completion token), never under ZeRO-3 (every forward there is a
-        collective each rank must make as often as the others) or gradient checkpointing (no key-value cache)."""
+        prompt (its last token predicts the first completion token), and in one process only: under ZeRO-3 or FSDP
+        every forward is a collective each rank must make as often as the others, and a rank's rows may share less
+        than another's (not yet made to agree across ranks); never with gradient checkpointing (no key-value cache)."""
         model = self.trainer.accelerator.unwrap_model(self.model)
-        if len(prompts) == 0 or _zero3(self.trainer) or getattr(model, "is_gradient_checkpointing", False):
+        one_process = self.trainer.accelerator.num_processes == 1 and not _zero3(self.trainer)
+        if len(prompts) == 0 or not one_process or getattr(model, "is_gradient_checkpointing", False):
             return 0
         length = min(len(p) for p in prompts) - 1
         first = prompts[0]
