@@ -91,11 +91,18 @@ def test_teacher_logps_under_its_prompt_match_a_plain_forward(tmp_path, math_tra
         ).teacher_logps
 
     base = AutoModelForCausalLM.from_pretrained(math_trained_path).eval()
+    assert_plain_forward_logps(base, batch, teacher_logps, trainer.temperature)
+
+
+def assert_plain_forward_logps(base, batch, teacher_logps, temperature):
+    """Each row's teacher log-prob of completion token j is a plain forward of `base` over [teacher prompt +
+    completion] at that token."""
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
     for i, prompt in enumerate(batch["teacher_prompt_ids"]):
         completion = completion_ids[i][completion_mask[i].bool()]
         ids = torch.tensor(prompt + completion.tolist())[None]
         with torch.no_grad():
-            logits = base(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.temperature
+            logits = base(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature
         direct = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
         torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
 
@@ -137,15 +144,8 @@ def test_a_shared_privileged_start_runs_once_and_scores_as_a_plain_forward(
         batch = trainer._generate_and_score_completions(rows)
         shared = trainer.teacher._shared_prefix_length(batch["teacher_prompt_ids"])
         assert shared >= 64 and len({len(p) for p in batch["teacher_prompt_ids"]}) > 1  # a shared start, then not
-        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-        teacher_logps = resolve_rows(batch["teacher_scores"], completion_ids, completion_mask).logps
-        for i, prompt in enumerate(batch["teacher_prompt_ids"]):
-            completion = completion_ids[i][completion_mask[i].bool()]
-            ids = torch.tensor(prompt + completion.tolist())[None]
-            with torch.no_grad():
-                logits = base(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.temperature
-            direct = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
-            torch.testing.assert_close(teacher_logps[i, : len(completion)], direct, atol=1e-5, rtol=1e-5)
+        teacher_logps = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"]).logps
+        assert_plain_forward_logps(base, batch, teacher_logps, trainer.temperature)
     assert lengths.count(torch.Size([1, shared])) == 1
     assert not any(shape[1] > shared for shape in lengths if shape[0] == 8)  # no full-prompt forward of the rows
 
