@@ -4,6 +4,8 @@ STUDY.md ("A real model: ... plan").
     python recipes/studies/real_opd_study.py dev [--out runs/real-study] [--data ../shared/data]
     python recipes/studies/real_opd_study.py dev --smoke --out /tmp/real-smoke      # a 2-step run of each candidate
     python recipes/studies/real_opd_study.py test [--out runs/real-study]          # once dev wrote chosen.json
+    python recipes/studies/real_opd_study.py demo-dev [--out runs/real-study]      # `make demo-real`'s candidate
+    python recipes/studies/real_opd_study.py data [--out runs/real-study]          # only the test data folder
 
 `dev` writes the dev data (`<out>/data-dev/gsm8k/`: `train.jsonl`, the training pool, and `test.jsonl`, the 200 dev
 rows, both from `real_teacher_advantage.real_splits`), runs each candidate (`recipes/self_distill.py` with the real
@@ -21,6 +23,10 @@ training pool, GSM8K's test split, TruthfulQA), then
 - each model's NLL per token of the test problems' reference solutions;
 and writes `test.json` and `test.md`: paired differences with 95% bootstrap intervals over items. Finished parts
 are not run again.
+
+`demo-dev` runs `make demo-real`'s candidate on the dev split (STUDY.md, "The demo's setting"): the dev choice with
+a horizon, scored every 10 steps, writing `demo.json`. `data` writes only the test data folder (`make demo-real`
+trains on that pool, so its teacher's shots are the study's).
 """
 
 import argparse
@@ -48,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEV_METRIC = "eval/gsm8k/answer_found"  # the format share: answers with a `#### N` line
 MARGIN, MOVES_BY = 0.05, 0.10  # the rule's tolerance below the best, and the least gain over the base that "moves"
 STEPS, EVAL_EVERY, DEV_ITEMS = 40, 10, 64
+DEMO_RUN, DEMO_HORIZON, DEMO_STEPS = "demo-h32", 32, 20  # `make demo-real`'s candidate (STUDY.md, "The demo's setting")
 # candidate: the self teacher's template (real_teacher_advantage.TEMPLATES) and what it reads as privileged context
 CANDIDATES = {
     "C1": ("shots", ["--context_shots", str(NUM_SHOTS)]),
@@ -100,17 +107,21 @@ def write_test_data(data: Path, out: Path) -> Path:
     return folder
 
 
-def dev_command(name: str, folder: Path, out: Path, smoke: bool) -> list[str]:
+def dev_command(
+    name: str, folder: Path, out: Path, smoke: bool, steps: int = STEPS, extra: tuple = (), run_name: str = ""
+) -> list[str]:
+    """Candidate `name`'s dev run (`extra` flags added, in `<out>/dev/<run_name or name>`); the first candidate's
+    run also scores the base."""
     view, flags = CANDIDATES[name]
-    steps, every, items = (2, 1, 2) if smoke else (STEPS, EVAL_EVERY, DEV_ITEMS)
-    first = name == next(iter(CANDIDATES))
+    steps, every, items = (2, 1, 2) if smoke else (steps, EVAL_EVERY, DEV_ITEMS)
+    first = name == next(iter(CANDIDATES)) and not run_name
     evaluation = ["--eval_tasks", "gsm8k", "--eval_limit", f"gsm8k={items}"] if first else ["--eval_tasks", ""]
     return [
-        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags,
+        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags, *extra,
         "--teacher_prompt_template", TEMPLATES[view], "--dataset_name", str(folder), "--eval_data", str(folder.parent),
-        "--output_dir", str(out / "dev" / name), "--max_steps", str(steps), "--target_eval_steps", str(every),
-        "--target_eval_limit", str(items), "--eval_before", "true" if first else "false", *evaluation,
-        *(SMOKE if smoke else []),
+        "--output_dir", str(out / "dev" / (run_name or name)), "--max_steps", str(steps),
+        "--target_eval_steps", str(every), "--target_eval_limit", str(items),
+        "--eval_before", "true" if first else "false", *evaluation, *(SMOKE if smoke else []),
     ]  # fmt: skip
 
 
@@ -165,6 +176,33 @@ def dev_phase(data: Path, out: Path, smoke: bool) -> dict:
     (out / "dev.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return chosen
+
+
+def demo_dev_phase(data: Path, out: Path, smoke: bool) -> dict:
+    """The demo's candidate on the dev split (STUDY.md, "The demo's setting"): the chosen candidate with a horizon of
+    DEMO_HORIZON tokens, scored every 10 steps to DEMO_STEPS; writes `demo.json` with the rule's pick."""
+    chosen = json.loads((out / "chosen.json").read_text())
+    folder = write_dev_data(data, out)
+    run_dir = out / "dev" / DEMO_RUN
+    if not (run_dir / "results.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        flags = ("--horizon", str(DEMO_HORIZON))
+        run(dev_command(chosen["candidate"], folder, out, smoke, DEMO_STEPS, flags, DEMO_RUN), out / "logs" / "demo.log")
+    curve = dev_curve(run_dir)
+    history = json.loads((run_dir / "log_history.json").read_text())
+    seconds = [e["step_time"] for e in history if "step_time" in e]  # logged every step (logging_steps 1)
+    reference = next(  # the chosen candidate's dev score at its first scored step, without a horizon
+        c["dev"] for c in chosen["candidates"] if c["candidate"] == chosen["candidate"] and c["steps"] == EVAL_EVERY
+    )
+    reaching = [s for s in sorted(curve) if curve[s] >= reference - 1e-9]
+    result = {
+        "horizon": DEMO_HORIZON, "curve": curve, "reference": reference,
+        "steps": reaching[0] if reaching else None, "step_seconds": statistics.median(seconds) if seconds else None,
+    }  # fmt: skip
+    (out / "demo.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
 
 
 # ----- test phase ------------------------------------------------------------------------------------------------
@@ -386,16 +424,18 @@ def _fmt(value: float | None) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=["dev", "test"])
+    parser.add_argument("phase", choices=["data", "dev", "demo-dev", "test"])
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
     parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
     parser.add_argument("--smoke", action="store_true", help="2 steps per run, 2 problems per task, 8 tokens")
     args = parser.parse_args()
     if not (args.data / "gsm8k" / "train.jsonl").exists():
         sys.exit(f"needs real GSM8K at {args.data / 'gsm8k'} (see ../shared/data/README.md)")
-    if args.phase == "dev":
+    if args.phase == "data":
+        print(write_test_data(args.data, args.out))
+    elif args.phase == "dev":
         dev_phase(args.data, args.out, args.smoke)
     else:
         if not (args.out / "chosen.json").exists():
             sys.exit(f"no dev choice at {args.out / 'chosen.json'}: run the dev phase first")
-        test_phase(args.data, args.out, args.smoke)
+        (demo_dev_phase if args.phase == "demo-dev" else test_phase)(args.data, args.out, args.smoke)
