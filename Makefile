@@ -66,10 +66,12 @@ demo: $(CORE)
 	@echo "How this setting was chosen, on the dev split, and why OPD moved this target slowly before: STUDY.md."
 
 # The real-model study's chosen setting, shortened (recipes/configs/real/self_distill_demo.yaml): SmolLM2-135M-Instruct as its own
-# teacher behind four solved examples, on real GSM8K from ../shared/data. `REAL_DATA=hub make demo-real` reads the
-# hub instead (network).
+# teacher behind four solved examples, on real GSM8K from ../shared/data, trained on the study's pool (the data
+# folder `real_opd_study.py data` writes: the same teacher shots as the study). `REAL_DATA=hub make demo-real` reads
+# the hub instead (network; GSM8K's whole train split, so other shots).
 REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
-REAL_ARGS := $(if $(filter hub,$(REAL_DATA)),--dataset_name openai/gsm8k --eval_data hub,--dataset_name $(REAL_DATA)/gsm8k --eval_data $(REAL_DATA))
+REAL_POOL := runs/real-study/data-test
+REAL_ARGS := $(if $(filter hub,$(REAL_DATA)),--dataset_name openai/gsm8k --eval_data hub,--dataset_name $(REAL_POOL)/gsm8k --eval_data $(REAL_POOL))
 REAL_ENV := $(if $(filter hub,$(REAL_DATA)),HF_HUB_OFFLINE=0,)
 REAL_LAUNCH := $(REAL_ENV) $(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS)
 demo-real: $(STAMP)
@@ -79,6 +81,7 @@ demo-real: $(STAMP)
 		exit 2; \
 	fi
 	rm -rf runs/real/demo
+	$(if $(filter hub,$(REAL_DATA)),,$(BIN)/python recipes/studies/real_opd_study.py data --data $(REAL_DATA) --out runs/real-study)
 	$(REAL_LAUNCH) recipes/self_distill.py --config recipes/configs/real/self_distill_demo.yaml $(REAL_ARGS)
 	@echo "The full run of this setting, scored on 250 GSM8K test problems with an SFT baseline: STUDY.md, \"A real model\"."
 

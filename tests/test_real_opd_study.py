@@ -35,6 +35,15 @@ def test_a_candidate_without_a_score_at_a_step_stops_the_rule(tmp_path):
         study.choose(tmp_path, base=0.1, steps=[10, 20, 30, 40])
 
 
+def test_the_demo_rule_takes_the_fewest_steps_that_reach_the_reference_and_fit_the_demo_time():
+    curve = {10: 0.35, 20: 0.45}
+    assert study.demo_steps(curve, reference=0.391, step_seconds=15) == 20  # step 10 is below the reference
+    assert study.demo_steps({10: 0.40, 20: 0.45}, reference=0.391, step_seconds=15) == 10
+    # 20 steps of 20 s plus the overhead is 640 s, over the 600 s a demo may take
+    assert study.demo_steps(curve, reference=0.391, step_seconds=20) is None
+    assert study.demo_steps(curve, reference=0.5, step_seconds=5) is None
+
+
 # ----- test phase ---------------------------------------------------------------------------------------------------
 def write_gsm8k(folder: Path, world) -> None:
     """A GSM8K folder of lab problems: `train.jsonl` the pool, `test.jsonl` the scored split."""
