@@ -83,6 +83,15 @@ def left_padded(rows: list[list[int]], pad_id: int, pad_to_multiple_of: int | No
     return ids, mask
 
 
+def completion_padded(completions: list[list[int]], pad_id: int, pad_to_multiple_of: int | None = None):
+    """Completion rows as `(ids, mask)` tensors, right-padded as GRPO pads its completions; an empty completion (a
+    rollout masked whole) is one masked padding token."""
+    rows = [torch.tensor(c or [pad_id], dtype=torch.long) for c in completions]
+    ids = pad(rows, padding_value=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    masks = [torch.full_like(r, int(bool(c))) for r, c in zip(rows, completions)]
+    return ids, pad(masks, padding_value=0, pad_to_multiple_of=pad_to_multiple_of)
+
+
 def joined(prompts: list[list[int]], prefixes: list[list[int]] | None) -> list[list[int]]:
     """Each prompt followed by its prefix (a student prefix the teacher continues), or the prompts alone."""
     return [p + q for p, q in zip(prompts, prefixes, strict=True)] if prefixes is not None else list(prompts)

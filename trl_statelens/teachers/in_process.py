@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
-from trl.trainer.utils import add_fused_lm_head, pad
+from trl.trainer.utils import add_fused_lm_head
 
 from ..callback import trainer_generation_config
 from ..collective import agreed_calls, agreed_chunks
 from ..heads import Divergence, _completion_hidden_states, divergence_and_token_logps
-from .base import RowScores, Teacher, answered, batch_rows, joined, left_padded
+from .base import RowScores, Teacher, answered, batch_rows, completion_padded, joined, left_padded
 from .vocabulary import check_same_vocabulary, vocab_size
 
 
@@ -108,11 +108,7 @@ class InProcessTeacher(Teacher):
         prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
         device = trainer.accelerator.device
         prompt_ids, prompt_mask = left_padded(prompts, pad_id, multiple)
-        # An empty completion (a rollout masked whole) is one masked padding token
-        completion_rows = [torch.tensor(c or [pad_id], dtype=torch.long) for c in completions]
-        completion_ids = pad(completion_rows, padding_value=pad_id, pad_to_multiple_of=multiple)
-        masks = [torch.full_like(r, int(bool(c))) for r, c in zip(completion_rows, completions)]
-        completion_mask = pad(masks, padding_value=0, pad_to_multiple_of=multiple)
+        completion_ids, completion_mask = completion_padded(completions, pad_id, multiple)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
         logps = []

@@ -7,9 +7,9 @@ import copy
 import torch
 from accelerate.utils import is_peft_model
 from trl.data_utils import is_conversational
-from trl.trainer.utils import pad, selective_log_softmax
+from trl.trainer.utils import selective_log_softmax
 
-from .base import RowScores, answered, batch_rows, left_padded
+from .base import RowScores, answered, batch_rows, completion_padded, left_padded
 from .in_process import InProcessTeacher
 from .self_teacher_weights import (
     EMA_FILE,
@@ -72,6 +72,7 @@ class SelfTeacher(InProcessTeacher):
         self.kind, self.template = args.teacher_model_kind, args.teacher_prompt_template
         self.weights = _weights(self.kind, trainer, student_path)
         super().__init__(trainer, self.weights.model)
+        self._prefix_cache = None  # (shared prompt start, its keys and values): `_score_after_shared_prefix`'s
         if self.kind == "ema":
             trainer.add_callback(MovingAverage(self.weights, args.teacher_update_rate))
 
@@ -130,7 +131,7 @@ class SelfTeacher(InProcessTeacher):
         model = trainer.accelerator.unwrap_model(self.model)
         device = trainer.accelerator.device
         prefix = tuple(prompts[0][:length])
-        cached = getattr(self, "_prefix_cache", None)
+        cached = self._prefix_cache
         if cached is None or cached[0] != prefix or self.kind != "base":
             with trainer.accelerator.autocast():
                 cached = (prefix, model(torch.tensor([prefix], device=device), use_cache=True).past_key_values)
@@ -145,9 +146,7 @@ class SelfTeacher(InProcessTeacher):
                 completions[start : start + batch_size],
             )
             rest_ids, rest_mask = left_padded(rest, pad_id)
-            completion_rows = [torch.tensor(c or [pad_id], dtype=torch.long) for c in chunk]
-            completion_ids = pad(completion_rows, padding_value=pad_id)
-            completion_mask = pad([torch.full_like(r, int(bool(c))) for r, c in zip(completion_rows, chunk)], 0)
+            completion_ids, completion_mask = completion_padded(chunk, pad_id)
             mask = torch.cat([torch.ones(len(chunk), length, dtype=torch.long), rest_mask, completion_mask], 1)
             positions = (mask.cumsum(1) - 1).clamp(min=0)[:, length:]
             past = copy.deepcopy(cached[1])
