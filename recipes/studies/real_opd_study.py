@@ -54,9 +54,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DEV_METRIC = "eval/gsm8k/answer_found"  # the format share: answers with a `#### N` line
 MARGIN, MOVES_BY = 0.05, 0.10  # the rule's tolerance below the best, and the least gain over the base that "moves"
 STEPS, EVAL_EVERY, DEV_ITEMS = 40, 10, 64
-# `make demo-real`'s candidate and rule (STUDY.md, "The demo's setting"): conversion, loading and two evaluations take
-# about DEMO_OVERHEAD_S of the demo's DEMO_LIMIT_S
-DEMO_RUN, DEMO_HORIZON, DEMO_STEPS = "demo-h32", 32, 20
+# `make demo-real`'s candidates, tried in order (STUDY.md, "The demo's setting" and its amendment): flags added to the
+# chosen setting, steps, dev scoring every so many steps. Conversion, loading and two evaluations take about
+# DEMO_OVERHEAD_S of the demo's DEMO_LIMIT_S
+DEMO_CANDIDATES = {
+    "demo-h32": (["--horizon", "32"], 20, 10),
+    "demo-lr6e-4": (["--learning_rate", "6e-4"], 6, 6),
+}
 DEMO_OVERHEAD_S, DEMO_LIMIT_S = 240, 600
 # candidate: the self teacher's template (real_teacher_advantage.TEMPLATES) and what it reads as privileged context
 CANDIDATES = {
@@ -111,12 +115,19 @@ def write_test_data(data: Path, out: Path) -> Path:
 
 
 def dev_command(
-    name: str, folder: Path, out: Path, smoke: bool, steps: int = STEPS, extra: tuple = (), run_name: str = ""
+    name: str,
+    folder: Path,
+    out: Path,
+    smoke: bool,
+    steps: int = STEPS,
+    extra: list[str] = (),
+    run_name: str = "",
+    every: int = EVAL_EVERY,
 ) -> list[str]:
-    """Candidate `name`'s dev run (`extra` flags added, in `<out>/dev/<run_name or name>`); the first candidate's
-    run also scores the base."""
+    """Candidate `name`'s dev run (`extra` flags added, in `<out>/dev/<run_name or name>`), scored every `every`
+    steps; the first candidate's run also scores the base."""
     view, flags = CANDIDATES[name]
-    steps, every, items = (2, 1, 2) if smoke else (steps, EVAL_EVERY, DEV_ITEMS)
+    steps, every, items = (2, 1, 2) if smoke else (steps, every, DEV_ITEMS)
     first = name == next(iter(CANDIDATES)) and not run_name
     evaluation = ["--eval_tasks", "gsm8k", "--eval_limit", f"gsm8k={items}"] if first else ["--eval_tasks", ""]
     return [
@@ -191,30 +202,30 @@ def demo_steps(curve: dict[int, float], reference: float, step_seconds: float) -
 
 
 def demo_dev_phase(data: Path, out: Path, smoke: bool) -> dict:
-    """The demo's candidate on the dev split (STUDY.md, "The demo's setting"): the chosen candidate with a horizon of
-    DEMO_HORIZON tokens, scored every 10 steps to DEMO_STEPS; writes `demo.json` with the rule's pick."""
+    """The demo's candidates on the dev split (STUDY.md, "The demo's setting" and its amendment), in order: the chosen
+    candidate with each one's flags, scored every `every` steps; writes `demo.json` with the rule's pick (the first
+    candidate that qualifies, or None)."""
     chosen = json.loads((out / "chosen.json").read_text())
     folder = write_dev_data(data, out)
-    run_dir = out / "dev" / DEMO_RUN
-    if not (run_dir / "results.json").exists():
-        shutil.rmtree(run_dir, ignore_errors=True)
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        flags = ("--horizon", str(DEMO_HORIZON))
-        run(
-            dev_command(chosen["candidate"], folder, out, smoke, DEMO_STEPS, flags, DEMO_RUN),
-            out / "logs" / "demo.log",
-        )
-    curve = dev_curve(run_dir)
-    history = json.loads((run_dir / "log_history.json").read_text())
-    seconds = [e["step_time"] for e in history if "step_time" in e]  # logged every step (logging_steps 1)
-    reference = next(  # the chosen candidate's dev score at its first scored step, without a horizon
+    reference = next(  # the chosen candidate's dev score at its first scored step, as chosen
         c["dev"] for c in chosen["candidates"] if c["candidate"] == chosen["candidate"] and c["steps"] == EVAL_EVERY
     )
-    step_seconds = statistics.median(seconds)
-    result = {
-        "horizon": DEMO_HORIZON, "curve": curve, "reference": reference, "step_seconds": step_seconds,
-        "steps": demo_steps(curve, reference, step_seconds),
-    }  # fmt: skip
+    result = {"reference": reference, "candidates": {}, "pick": None}
+    for name, (flags, steps, every) in DEMO_CANDIDATES.items():
+        run_dir = out / "dev" / name
+        if not (run_dir / "results.json").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+            command = dev_command(chosen["candidate"], folder, out, smoke, steps, flags, name, every)
+            run(command, out / "logs" / f"{name}.log")
+        history = json.loads((run_dir / "log_history.json").read_text())
+        step_seconds = statistics.median(e["step_time"] for e in history if "step_time" in e)  # logged every step
+        curve = dev_curve(run_dir)
+        picked = demo_steps(curve, reference, step_seconds)
+        result["candidates"][name] = {"flags": flags, "curve": curve, "step_seconds": step_seconds, "steps": picked}
+        if picked is not None:
+            result["pick"] = {"candidate": name, "steps": picked}
+            break
     (out / "demo.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return result
