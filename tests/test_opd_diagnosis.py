@@ -43,3 +43,8 @@ def test_each_arm_is_costed_where_its_smoothed_dev_score_first_comes_within_the_
     assert result["arms"]["budget_h32"]["goal"] and not result["arms"]["budget_plain"]["goal"]
     assert result["arms"]["budget_h48"]["reached"] is None
     assert json.loads((tmp_path / "reach.json").read_text())["arms"]["budget_h32"]["goal"] is True
+    # the plot's curve: each evaluation's smoothed score at the tokens spent so far (step 0 spent nothing)
+    curve = result["arms"]["budget_h32"]["curve"]
+    assert [c["teacher_tokens"] for c in curve] == [0, 25_000, 50_000, 75_000, 100_000, 125_000, 150_000]
+    assert curve[3]["smoothed"] == pytest.approx((0.33 + 0.35 + 0.35) / 3)
+    assert (tmp_path / "reach.png").stat().st_size > 10_000

@@ -176,7 +176,11 @@ def reach(out: Path, arms: list[str]) -> dict:
                 wall, previous = wall + seconds * (step - previous), step
             cost = {"step": hit, "teacher_tokens": line["teacher_tokens_total"], "flops": line["flops_total/total"],
                     "seconds": wall}  # fmt: skip
-        result["arms"][arm] = {"reached": cost, "best_smoothed": max(row["smoothed"])}
+        # the curve the plot draws: each evaluation's smoothed score against the teacher tokens and FLOPs spent so far
+        curve = [{"step": s, "smoothed": v, "teacher_tokens": row["ledger"][s]["teacher_tokens_total"] if s else 0.0,
+                  "flops": row["ledger"][s]["flops_total/total"] if s else 0.0}
+                 for s, v in zip(row["steps"], row["smoothed"])]  # fmt: skip
+        result["arms"][arm] = {"reached": cost, "best_smoothed": max(row["smoothed"]), "curve": curve}
     plain = result["arms"][BUDGET_REFERENCE]["reached"]
     print(
         f"target: {BUDGET_REFERENCE}'s smoothed dev score at {BUDGET_STEPS} steps, {target:.3f} (margin {BUDGET_MARGIN})"
@@ -195,7 +199,31 @@ def reach(out: Path, arms: list[str]) -> dict:
         print(f"{arm:<16}{cost['step']:>11}{cost['teacher_tokens']:>16,.0f}{cost['flops']:>11.2e}"
               f"{cost['seconds']:>9.0f}{'yes' if entry['goal'] else 'no':>6}")  # fmt: skip
     (out / "reach.json").write_text(json.dumps(result, indent=2))
+    plot_reach(result, out / "reach.png")
     return result
+
+
+def plot_reach(result: dict, path: Path) -> None:
+    """Each arm's smoothed dev score against the teacher tokens (left) and total training FLOPs (right) it had spent,
+    with the target band: the issue's plot of what each lever buys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, key, label in ((axes[0], "teacher_tokens", "teacher tokens"), (axes[1], "flops", "training FLOPs")):
+        for arm, entry in result["arms"].items():
+            curve = entry["curve"]
+            ax.plot([c[key] for c in curve], [c["smoothed"] for c in curve], marker="o", label=arm)
+        ax.axhspan(result["target"] - result["margin"], result["target"], color="grey", alpha=0.2)
+        ax.set_xlabel(f"{label} spent (cumulative)")
+    axes[0].set_ylabel("smoothed dev accuracy (strict)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"target {result['target']:.3f} (band: within {result['margin']}) and what each arm spent")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def choose(out: Path, arms: list[str], tolerance: float) -> dict:
