@@ -54,6 +54,27 @@ def test_a_growing_horizon_samples_scores_and_records_only_its_first_tokens(
     assert [e["completions/max_length"] for e in history] == horizons
 
 
+def test_the_probes_keep_sampling_the_full_length_under_a_horizon(tmp_path, student_path, teacher_path, math_dataset):
+    """The horizon shortens the rollouts' generation settings; the probes (and so drift and the teacher's exact
+    disagreement past the horizon) still sample `max_completion_length` tokens."""
+    prompts = [row["prompt"] for row in math_dataset.select(range(4))]
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, max_steps=2, horizon=3),
+        train_dataset=math_dataset.select(range(16)),
+        callbacks=[StateLoggingCallback(probe_prompts=prompts, probe_steps=1, sample_rate=0.0)],
+    )
+    trainer.train()
+    assert trainer.generation_config.max_new_tokens == 3  # the rollouts' own setting
+    drift = [json.loads(line) for line in (tmp_path / "statelens" / "drift.jsonl").read_text().splitlines()]
+    for line in drift:
+        # [tokens, KL] per prefix-length bin [0, 1), [1, 3), [3, 7), [7, 15): bins from the third hold tokens past
+        # the 3-token horizon
+        tokens_past_horizon = sum(tokens for tokens, _ in line["teacher_kl/exact_by_prefix"][2:])
+        assert tokens_past_horizon > 0, line["step"]
+
+
 def test_without_a_horizon_the_ledger_has_none_and_rollouts_reach_the_limit(
     tmp_path, student_path, teacher_path, math_dataset
 ):

@@ -604,7 +604,8 @@ def probe_teacher_model(trainer):
 
 
 def trainer_generation_config(trainer) -> GenerationConfig | None:
-    """A copy of the sampling settings a GRPO-like trainer generates with; `None` for a trainer that does not sample.
+    """A copy of the sampling settings a GRPO-like trainer generates with, at its full length (`max_completion_length`,
+    whatever rollout horizon is set); `None` for a trainer that does not sample.
 
     With `use_vllm=True` GRPO keeps no `generation_config`: the same settings are then built from the trainer's own
     fields (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length, eos and pad tokens), the
@@ -612,7 +613,12 @@ def trainer_generation_config(trainer) -> GenerationConfig | None:
     """
     config = getattr(trainer, "generation_config", None)
     if config is not None:
-        return GenerationConfig.from_dict(config.to_dict())
+        config = GenerationConfig.from_dict(config.to_dict())
+        if getattr(trainer, "max_completion_length", None) is not None:
+            # An OPD rollout horizon shortens the rollouts' own setting between generation batches; what reads this
+            # copy (the probes, a teacher's generation) samples at the run's full length
+            config.max_new_tokens = trainer.max_completion_length
+        return config
     if getattr(trainer, "max_completion_length", None) is None or getattr(trainer, "temperature", None) is None:
         return None
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
