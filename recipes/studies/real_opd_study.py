@@ -4,7 +4,7 @@ STUDY.md ("A real model: ... plan").
     python recipes/studies/real_opd_study.py dev [--out runs/real-study] [--data ../shared/data]
     python recipes/studies/real_opd_study.py dev --smoke --out /tmp/real-smoke      # a 2-step run of each candidate
     python recipes/studies/real_opd_study.py test [--out runs/real-study]          # once dev wrote chosen.json
-    python recipes/studies/real_opd_study.py demo-dev [--out runs/real-study]      # `make demo-real`'s candidate
+    python recipes/studies/real_opd_study.py demo-dev [--out runs/real-study]      # `make demo-real`'s candidates
     python recipes/studies/real_opd_study.py data [--out runs/real-study]          # only the test data folder
 
 `dev` writes the dev data (`<out>/data-dev/gsm8k/`: `train.jsonl`, the training pool, and `test.jsonl`, the 200 dev
@@ -24,8 +24,9 @@ training pool, GSM8K's test split, TruthfulQA), then
 and writes `test.json` and `test.md`: paired differences with 95% bootstrap intervals over items. Finished parts
 are not run again.
 
-`demo-dev` runs `make demo-real`'s candidate on the dev split (STUDY.md, "The demo's setting"): the dev choice with
-a horizon, scored every 10 steps, writing `demo.json`. `data` writes only the test data folder (`make demo-real`
+`demo-dev` runs `make demo-real`'s candidates (`DEMO_CANDIDATES`: the dev choice with a horizon, then with a larger
+learning rate) on the dev split in order until one passes the demo rule (STUDY.md, "The demo's setting" and its
+amendment), writing `demo.json`. `data` writes only the test data folder (`make demo-real`
 trains on that pool, so its teacher's shots are the study's).
 """
 
@@ -120,7 +121,7 @@ def dev_command(
     out: Path,
     smoke: bool,
     steps: int = STEPS,
-    extra: list[str] = (),
+    extra: tuple[str, ...] | list[str] = (),
     run_name: str = "",
     every: int = EVAL_EVERY,
 ) -> list[str]:
