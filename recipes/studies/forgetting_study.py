@@ -50,6 +50,7 @@ CALIBRATION_STATISTIC = "param_distance"  # the statistic the pre-registered rul
 # Every run: (name, recipe, lab config, steps, seed, flags). {name} in a flag is that run's folder (a teacher built
 # inside the study first). SFT runs over the stress run's 320 problems are 20 steps an epoch at batch 16.
 SFT320 = ["--train_size", "320"]
+GRPO8 = ["--num_generations", "8"]  # these arms predate issue 35, whose rule moved grpo.yaml to 16 samples a prompt
 
 
 # OPD centre: the issue-25 rule's per-step settings (divergence, jsd_beta 1, num_generations 1, lr 3e-4), shortened
@@ -76,13 +77,13 @@ GRID = [
     ("sft_stress_s1", "sft", "stress_sft.yaml", 100, 1, []),
     ("sft_e5_lr2e-3_s1", "sft", "stress_sft.yaml", 100, 1, [*SFT320, "--learning_rate", "2e-3"]),
     # GRPO: learning rate x KL coefficient (beta)
-    ("grpo_lr1e-4_b0.04", "grpo", "grpo.yaml", 20, 0, ["--learning_rate", "1e-4", "--beta", "0.04"]),
-    ("grpo_lr1e-4_b0.04_s1", "grpo", "grpo.yaml", 20, 1, ["--learning_rate", "1e-4", "--beta", "0.04"]),
-    ("grpo_lr3e-4_b0.04", "grpo", "grpo.yaml", 20, 0, ["--learning_rate", "3e-4", "--beta", "0.04"]),
-    ("grpo_lr1e-3_b0", "grpo", "grpo.yaml", 20, 0, ["--learning_rate", "1e-3", "--beta", "0.0"]),
-    ("grpo_lr1e-3_b0.04", "grpo", "grpo.yaml", 20, 0, ["--learning_rate", "1e-3", "--beta", "0.04"]),
-    ("grpo_lr1e-3_b0.04_s1", "grpo", "grpo.yaml", 20, 1, ["--learning_rate", "1e-3", "--beta", "0.04"]),
-    ("grpo_lr1e-3_b0.2", "grpo", "grpo.yaml", 20, 0, ["--learning_rate", "1e-3", "--beta", "0.2"]),
+    ("grpo_lr1e-4_b0.04", "grpo", "grpo.yaml", 20, 0, [*GRPO8, "--learning_rate", "1e-4", "--beta", "0.04"]),
+    ("grpo_lr1e-4_b0.04_s1", "grpo", "grpo.yaml", 20, 1, [*GRPO8, "--learning_rate", "1e-4", "--beta", "0.04"]),
+    ("grpo_lr3e-4_b0.04", "grpo", "grpo.yaml", 20, 0, [*GRPO8, "--learning_rate", "3e-4", "--beta", "0.04"]),
+    ("grpo_lr1e-3_b0", "grpo", "grpo.yaml", 20, 0, [*GRPO8, "--learning_rate", "1e-3", "--beta", "0.0"]),
+    ("grpo_lr1e-3_b0.04", "grpo", "grpo.yaml", 20, 0, [*GRPO8, "--learning_rate", "1e-3", "--beta", "0.04"]),
+    ("grpo_lr1e-3_b0.04_s1", "grpo", "grpo.yaml", 20, 1, [*GRPO8, "--learning_rate", "1e-3", "--beta", "0.04"]),
+    ("grpo_lr1e-3_b0.2", "grpo", "grpo.yaml", 20, 0, [*GRPO8, "--learning_rate", "1e-3", "--beta", "0.2"]),
     # OPD: the three signals, state-source mixes, teachers of three qualities, a higher learning rate
     ("opd_div_labteacher", "opd", "opd.yaml", 20, 0, opd()),
     ("opd_div_labteacher_s1", "opd", "opd.yaml", 20, 1, opd()),
