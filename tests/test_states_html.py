@@ -393,3 +393,33 @@ def test_teacher_prompt_shows_beside_the_students(browser, tmp_path):
     assert len(teacher) == 2 and all(t.startswith("teacher's prompt (+9 tokens)") and "Reference: 3 + 4 = 7" in t
                                      for t in teacher)  # fmt: skip
     no_console_errors(browser)
+
+
+def _selection_ledger(run_dir: Path) -> None:
+    """A small ledger of a run with state selection: sequence 0 skipped as correct, 1 rechecked, the rest scored."""
+    synthetic_ledger(run_dir, num_sequences=4, num_steps=2, tokens=5)
+    ledger = run_dir / "statelens" / "states.jsonl"
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    for index, line in enumerate(lines):
+        line.update(teacher_scored=index != 0, skipped="correct" if index == 0 else None, recheck=index == 1)
+        if index == 0:
+            line.update(teacher_logp=None, weight=[0.0] * 5)
+    ledger.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_page_embeds_which_sequences_the_teacher_skipped(tmp_path):
+    _selection_ledger(tmp_path / "run")
+    entries = page_data([load_run(tmp_path / "run")])["sequences"]
+    assert [entry["sk"] for entry in entries] == ["correct", "recheck", None, None]
+
+
+@needs_browser
+def test_skipped_sequences_are_marked_in_the_page(browser, tmp_path):
+    _selection_ledger(tmp_path / "run")
+    browser.open(write_states_page([load_run(tmp_path / "run")], tmp_path / "states.html"))
+    assert browser.run("return document.querySelectorAll('#sequences .seq').length") == 4
+    skipped = browser.run("return [...document.querySelectorAll('#sequences .seq.skipped')].map(s => s.innerText)")
+    assert len(skipped) == 1 and "skipped: correct" in skipped[0] and "not supervised" in skipped[0]
+    badges = browser.run("return [...document.querySelectorAll('.badge.recheck')].map(b => b.innerText)")
+    assert badges == ["recheck"]
+    no_console_errors(browser)

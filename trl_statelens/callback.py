@@ -212,8 +212,8 @@ class StateLoggingCallback(TrainerCallback):
             groups = self.trainer._collect_reward_groups()
             if groups:
                 metrics["reward_groups/spread_frac"] = statistics.mean(has_spread(g["rewards"]) for g in groups)
+            metrics.update(self.trainer._step_trace())  # before the accounting, which reads its counts
             metrics.update(self._accounting(metrics))
-            metrics.update(self.trainer._step_trace())
             self._log_metrics(metrics)
             if self.max_flops is not None and metrics["flops_total/total"] >= self.max_flops:
                 control.should_training_stop = True  # the same count on every rank: all of them stop here
@@ -248,6 +248,7 @@ class StateLoggingCallback(TrainerCallback):
             totals.get("supervised_tokens", 0.0),
             totals,
             totals.get("teacher_context_tokens", 0.0),
+            totals.get("teacher_skipped_tokens", 0.0),
         )
 
     def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:

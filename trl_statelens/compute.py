@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FLOPS_PARTS = ("student_generation", "student_training", "teacher")
-LEDGER_COUNTS = ("supervised_tokens", "teacher_tokens", "teacher_context_tokens")  # per-step counts the run sums
+LEDGER_COUNTS = (
+    "supervised_tokens",
+    "teacher_tokens",
+    "teacher_context_tokens",
+    "teacher_skipped_tokens",
+)  # per-step counts the run sums
 
 
 def matmul_parameters(model) -> int:
@@ -80,7 +85,9 @@ class ComputeCounter:
     is trained on its tokens only (6 N_S).
 
     A self teacher reads its own prompt, longer than the student's by its privileged context: those extra tokens
-    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes.
+    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes. A rollout
+    the teacher did not score (state selection, `skip_correct_rollouts`) is not counted as teacher work: its prompt
+    and completion tokens (`teacher_skipped_tokens`, the ledger's count) come off the teacher's reads.
 
     N_T is the teacher's size: the student's for a self teacher;
     with several teachers, their sizes weighted by the tokens each supervised (`supervised_tokens/<name>`). A teacher
@@ -114,12 +121,18 @@ class ComputeCounter:
         return weighted_teacher_size(self.teacher_sizes, [supervised_by_teacher or {}])
 
     def split(
-        self, tokens: float, supervised: float, supervised_by_teacher: dict | None = None, teacher_context: float = 0.0
+        self,
+        tokens: float,
+        supervised: float,
+        supervised_by_teacher: dict | None = None,
+        teacher_context: float = 0.0,
+        teacher_skipped: float = 0.0,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
-        counts them), `supervised` tokens and `teacher_context` tokens (a self teacher's, `teacher_context_tokens`)."""
+        counts them), `supervised` tokens, `teacher_context` tokens (a self teacher's, `teacher_context_tokens`) and
+        `teacher_skipped` tokens (of the rollouts the teacher did not score, `teacher_skipped_tokens`)."""
         student, teacher = self.student, self.teacher(supervised_by_teacher)
-        teacher_reads = tokens + teacher_context
+        teacher_reads = tokens + teacher_context - teacher_skipped
         parts = {
             "student_generation": 2 * student * tokens if self.samples else 0.0,
             "student_training": (6 + 2 * self.reference) * student * tokens,
@@ -135,7 +148,7 @@ class ComputeCounter:
 
 def ledger_totals(lines: list[dict]) -> dict[str, float]:
     """The per-step counts of ledger lines (`steps.jsonl`) summed: `supervised_tokens`, `supervised_tokens/<name>`,
-    `teacher_tokens` and `teacher_context_tokens`, those the lines hold."""
+    `teacher_tokens`, `teacher_context_tokens` and `teacher_skipped_tokens`, those the lines hold."""
     totals = {}
     for line in lines:
         for key, value in line.items():

@@ -125,6 +125,37 @@ class OnPolicyDistillConfig(GRPOConfig):
             Tokens the horizon grows by after every optimizer step: the rollouts of step $k$ (from 0) are
             $\min(\text{horizon} + k \cdot \text{horizon\_growth}, \text{max\_completion\_length})$ tokens long
             (progressive OPD). `0` keeps the horizon fixed. Needs `horizon`.
+        skip_correct_rollouts (`bool`, *optional*, defaults to `False`):
+            State selection: a rollout the student sampled whose reward (the trainer's `reward_funcs`, weighted by
+            `reward_weights` and summed as GRPO sums them) is at least `correct_reward` is not scored by the teacher
+            and carries no teacher signal: its tokens get zero loss weight and do not count in the loss's token
+            normaliser. The teacher's guidance aligns with the ideal gradient far better on incorrect rollouts
+            ("Unmasking OPD", arXiv 2605.10889); skipping the correct ones saves the teacher's forward on them. The
+            rewards are then computed before the teacher scores the batch (so a served teacher's request overlaps
+            less of GRPO's work). Training only: evaluation scores every rollout. Rows whose states come from the
+            `dataset` or the `teacher` (`state_source_mix`) are always scored, as are unscorable rollouts (every reward
+            function returned `None`). Needs `reward_funcs`; refused with `signal="continuation"` (see below) and
+            with `reward_weight != 0` (a skipped rollout would lose its reward advantage too). The ledger says which
+            rollouts were skipped or rechecked: `selection/skipped`, `selection/rechecked` and `selection/correct`
+            (rollouts, all ranks) and `teacher_skipped_tokens` (the prompt and completion tokens the teacher did not
+            read, left out of the teacher FLOPs) in `steps.jsonl`; each sequence in `states.jsonl` says whether the
+            teacher scored it (`teacher_scored`) and why not (`skipped: "correct"`) or that it was a `recheck`; the
+            skipped sequences' tokens are recorded with weight 0 but count in no supervised-token metric.
+            `statelens/teacher_tokens` counts the scored rows only. The trainer logs `teacher/skipped_frac` and
+            `teacher/rechecked_frac` (shares of all rollouts); its `teacher_kl/sampled` and the records'
+            `teacher_kl/supervised` then average over the scored rollouts only (mostly incorrect ones), so they do
+            not compare with a run without the lever. `continuation` is refused: there the teacher writes
+            the supervised tokens from a cut point of the rollout, so a skipped rollout would have to be cut and
+            recorded differently; not supported yet.
+        correct_reward (`float`, *optional*, defaults to `1.0`):
+            With `skip_correct_rollouts`, the reward at or above which a rollout counts as correct.
+        recheck_fraction (`float`, *optional*, defaults to `0.1`):
+            With `skip_correct_rollouts`, the share of each generation batch's correct rollouts (on each rank) that
+            the teacher scores anyway, an exploration floor that keeps re-checking the skipped regions: $n$ correct
+            rollouts give $\lfloor f n + u \rfloor$ rechecks with $u$ uniform in $[0, 1)$ (exactly $f n$ when that is
+            a whole number, $f n$ on average otherwise), chosen at random. The draws come from a generator seeded with
+            the run's `seed`, the rank, the optimizer step and the generation batch within it: the same rows again
+            after a resume. `0` skips every correct rollout, `1` skips none (the rewards are still computed first).
 
         > The student as its own teacher (self-distillation with privileged context; TRL's `SDFTConfig` names)
 
@@ -216,6 +247,16 @@ class OnPolicyDistillConfig(GRPOConfig):
     reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
     horizon: int | None = field(default=None, metadata={"help": "Tokens sampled and supervised per rollout."})
     horizon_growth: int = field(default=0, metadata={"help": "Tokens the horizon grows by each optimizer step."})
+    skip_correct_rollouts: bool = field(
+        default=False, metadata={"help": "Do not have the teacher score rollouts whose reward is >= correct_reward."}
+    )
+    correct_reward: float = field(
+        default=1.0, metadata={"help": "Reward at or above which a rollout counts as correct (skip_correct_rollouts)."}
+    )
+    recheck_fraction: float = field(
+        default=0.1,
+        metadata={"help": "Share of the correct rollouts the teacher scores anyway (skip_correct_rollouts)."},
+    )
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
     )
@@ -305,6 +346,7 @@ class OnPolicyDistillConfig(GRPOConfig):
             )
         self._check_grpo_loss_settings()
         self._check_horizon()
+        self._check_state_selection()
         self._check_self_teacher_settings()
         # Which teacher reads the teacher settings is known here for a self teacher or teacher_model_server_url;
         # otherwise the trainer checks them once its teacher_model is given
@@ -413,6 +455,8 @@ class OnPolicyDistillConfig(GRPOConfig):
             "kl_discount": ("signal='reverse_kl'", self.signal == "reverse_kl"),
             "jsd_beta": ("signal='divergence'", divergence),
             "continuation_length": ("signal='continuation'", self.signal == "continuation"),
+            "correct_reward": ("skip_correct_rollouts=True", self.skip_correct_rollouts),
+            "recheck_fraction": ("skip_correct_rollouts=True", self.skip_correct_rollouts),
             "teacher_update_rate": ("teacher_model_kind='ema'", self.teacher_model_kind == "ema"),
             "teacher_prompt_template": ("a teacher_model_kind", self.teacher_model_kind is not None),
             "teacher_model_init_kwargs": ("a teacher loaded from a path or hub id", loads_a_path is not False),
@@ -466,6 +510,29 @@ class OnPolicyDistillConfig(GRPOConfig):
             raise ValueError(
                 "mask_truncated_completions=True masks every rollout cut at the horizon (it ends without eos), so a "
                 "horizon would supervise almost nothing: leave mask_truncated_completions at False with a horizon"
+            )
+
+    def _check_state_selection(self):
+        if not 0.0 <= self.recheck_fraction <= 1.0:
+            raise ValueError(
+                f"recheck_fraction must be a share in [0, 1] of the correct rollouts the teacher scores anyway, got "
+                f"{self.recheck_fraction}"
+            )
+        if not self.skip_correct_rollouts:
+            return
+        if not math.isfinite(self.correct_reward):
+            raise ValueError(f"correct_reward must be a finite reward, got {self.correct_reward}")
+        if self.signal == "continuation":
+            raise ValueError(
+                "skip_correct_rollouts=True with signal='continuation': there the teacher writes the supervised tokens "
+                "from a cut point of each rollout rather than scoring the rollout's own tokens, and skipping is not "
+                "supported for it yet. Use signal='reverse_kl' or 'divergence', or leave skip_correct_rollouts=False"
+            )
+        if self.reward_weight != 0.0:
+            raise ValueError(
+                f"skip_correct_rollouts=True with reward_weight={self.reward_weight}: a skipped rollout carries no loss "
+                "weight, so it would lose its reward advantage too (and the correct rollouts are the ones GRPO's "
+                "advantage favours). Leave reward_weight=0.0 with skip_correct_rollouts"
             )
 
     def _check_self_teacher_settings(self):
@@ -536,6 +603,11 @@ class OnPolicyDistillConfig(GRPOConfig):
                 f"horizon={self.horizon}: TRL's {config_class.__name__} samples max_completion_length tokens per "
                 "rollout and has no horizon; for the stock baseline of a run with a horizon, leave horizon unset and "
                 "set max_completion_length to it (a fixed horizon is that run)"
+            )
+        if self.skip_correct_rollouts:
+            raise ValueError(
+                f"skip_correct_rollouts=True: TRL's {config_class.__name__} has the teacher score every rollout; for "
+                "the stock baseline, leave skip_correct_rollouts at False (the run without state selection)"
             )
         stock_fields = {f.name for f in dataclasses.fields(config_class) if f.init} - set(skip)
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in stock_fields}

@@ -32,6 +32,7 @@ from .heads import (
 from .opd_checks import check_datasets, check_rows, check_teacher_settings_are_read, row_columns
 from .opd_config import MIX_SOURCES, OnPolicyDistillConfig
 from .records import source_code
+from .selection import SKIPPED, divergence_on_scored_rows, select_and_score
 from .teachers import (
     InProcessTeacher,
     SelfTeacher,
@@ -64,6 +65,7 @@ class RolloutBatch:
     teacher_prompts: list[list[int]] | None = None
     teacher_scores: list | None = None
     scoring_rollouts: bool = False
+    completion_ids: list[list[int]] | None = None  # kept for the teacher until the rewards are in (state selection)
 
 
 def no_reward(completions, **kwargs) -> list[float]:
@@ -117,7 +119,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         eval_dataset: as `train_dataset` (a dataset or a dict of them), checked the same way: evaluation runs the
             same state sources, teachers and teacher prompts.
         reward_funcs (*optional*): reward functions as for GRPO, mixed into the `reverse_kl` advantage with
-            `args.reward_weight`. Without them nothing is rewarded: GRPO's reward metrics are not logged and the
+            `args.reward_weight`, and with `args.skip_correct_rollouts` (which needs them) what decides the rollouts
+            the teacher does not score (`selection.py`). Without them nothing is rewarded: GRPO's reward metrics are not logged and the
             ledger's sequences carry no reward.
         processing_class, callbacks, optimizers, peft_config, state_logging: as for [`StateLensGRPOTrainer`].
     """
@@ -145,6 +148,13 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             raise TypeError(f"args must be an OnPolicyDistillConfig, got {type(args).__name__}")
         check_datasets(train_dataset, eval_dataset, teacher_model, args)
         check_teacher_settings_are_read(teacher_model, args)
+        if args.skip_correct_rollouts and not reward_funcs:
+            raise ValueError(
+                "skip_correct_rollouts=True skips the rollouts whose reward reaches correct_reward, but no reward_funcs "
+                "were given: without them every rollout is rewarded 0 by `no_reward` and nothing would ever be "
+                "skipped. Pass reward_funcs (the lab's: trl_statelens.rewards.gsm8k_accuracy_reward), or leave "
+                "skip_correct_rollouts=False"
+            )
         if args.use_vllm and args.state_source_mix.get("learner", 0.0) < 1.0:
             raise ValueError(
                 "state_source_mix with dataset or teacher states is not supported with use_vllm=True: the vLLM "
@@ -214,6 +224,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         self._rollout_batch: RolloutBatch | None = None  # while a generation batch is made (see `RolloutBatch`)
         self._teacher_tokens = 0  # the records' `teacher_tokens` (`_count_teacher_tokens`)
         self._rollout_length = self.max_completion_length  # this generation batch's (`_set_rollout_length`)
+        # State selection (`skip_correct_rollouts`): this rank's counts since the last optimizer step's ledger line
+        # (skipped, rechecked, teacher_skipped_tokens), and which generation batch of which step is drawn next
+        self._selection_counts, self._selection_batch = [0, 0, 0], (0, 0)
         self._forward_redirection = _ForwardRedirection()
         # Everything the trainer asks of its teacher goes through `self.teacher` (the `teachers` package)
         if args.teacher_model_kind is not None:
@@ -329,8 +342,16 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         if self.args.signal == "continuation":
             return self._continue_with_teacher(output)
         # One `TeacherRow` per row (read in the loss), or None: an in-process teacher's divergence is computed there
-        output["teacher_scores"] = batch.teacher_scores
+        if self._selects_states():  # the rewards are in: the teacher scores the rows not skipped
+            output["teacher_scores"] = select_and_score(self, batch, output)
+        else:
+            output["teacher_scores"] = batch.teacher_scores
         return output
+
+    def _selects_states(self) -> bool:
+        """Whether this batch's rollouts are selected for the teacher by their rewards (`skip_correct_rollouts`; in
+        training only, evaluation scores every rollout)."""
+        return self.args.skip_correct_rollouts and self.model.training
 
     def _check_rows_on_every_rank(self, inputs: list[dict]) -> list[str | None]:
         """Each row's teacher, once this batch's rows hold what the run reads (`check_rows`). A bad row stops every
@@ -378,7 +399,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 completion_ids[i] = ids
                 text = self._tokenizer.decode(ids, skip_special_tokens=True)
                 completions[i] = [{"role": "assistant", "content": text}] if isinstance(prompts[i], list) else text
-        if self.args.signal != "continuation":
+        if self.args.signal != "continuation" and self._selects_states():
+            batch.completion_ids = completion_ids  # scored once GRPO has the rewards (`selection.select_and_score`)
+        elif self.args.signal != "continuation":
             # The tokens to score are final here: start scoring now, so that a served teacher's round trip (with
             # `teacher_server_overlap`) runs while GRPO pads the batch, computes rewards (and, under vLLM, the
             # student's old log-probs) and the first micro-batch's forward runs. Rows GRPO masks later (truncated
@@ -420,8 +443,23 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         return length
 
     def _step_trace(self) -> dict[str, float]:
-        """The lever settings the optimizer step ran with, for its ledger line: the rollout `horizon` when one is set."""
-        return {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
+        """The lever settings the optimizer step ran with, for its ledger line: the rollout `horizon` when one is set;
+        with state selection, the rollouts the teacher skipped as correct and rechecked since the last line, and the
+        prompt and completion tokens it did not read (`teacher_skipped_tokens`, all ranks: called on every rank)."""
+        trace = {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
+        if self.args.skip_correct_rollouts:
+            counts = self.accelerator.gather(torch.tensor([self._selection_counts], device=self.accelerator.device))
+            skipped, rechecked, tokens = counts.sum(0).tolist()
+            self._selection_counts = [0, 0, 0]
+            trace.update(
+                {
+                    "selection/skipped": float(skipped),
+                    "selection/rechecked": float(rechecked),
+                    "selection/correct": float(skipped + rechecked),
+                    "teacher_skipped_tokens": float(tokens),
+                }
+            )
+        return trace
 
     def _continue_with_teacher(self, output: dict) -> dict:
         """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there. A rollout
@@ -562,6 +600,9 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
             normalizer = normalizer * accumulation / self.args.steps_per_generation
 
+        # State selection: each row's code (`selection.SKIPPED` rows have a zero loss_mask and no teacher scores)
+        selection = inputs.get("teacher_selection")
+        skipped = None if selection is None else (selection == SKIPPED)[:, None]
         if self.args.signal == "divergence":
             unwrapped = self.accelerator.unwrap_model(model)
             loss, logps, entropies, teacher_logps, aux_loss = self._forward_redirection(
@@ -603,14 +644,21 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
+        scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
         self._log_teacher_metrics(
-            logps.detach(), teacher_logps, entropies, completion_mask, loss_mask, token_source, inputs["teacher"]
+            logps.detach(), teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]
         )
         if self.model.training:
             align = lambda x: F.pad(x, (prompt_ids.size(1), 0))  # noqa: E731 (completion -> full sequence)
+            recorded = loss_mask.bool()
+            if skipped is not None:  # a skipped rollout's states are recorded too, with weight 0 and no teacher
+                model_tokens = completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))
+                recorded = recorded | (skipped & model_tokens.bool())
+                weights = torch.as_tensor(weights, device=logps.device).expand_as(logps).masked_fill(skipped, 0.0)
+                teacher_logps = teacher_logps.masked_fill(skipped, float("nan"))
             self._record_states(
                 input_ids=input_ids,
-                supervised_mask=align(loss_mask.bool()),
+                supervised_mask=align(recorded),
                 logps=align(logps),
                 entropy=align(entropies),
                 source=align(token_source),
@@ -623,6 +671,7 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 rewards=inputs.get("rewards"),
                 teachers=inputs["teacher"] if self.teacher.names else None,
                 teacher_prompts=inputs["teacher_prompt_ids"] if self.teacher.reads_own_prompts else None,
+                selection=selection,
             )
         return loss
 
@@ -646,9 +695,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         else:
             student_hidden = _completion_hidden_states(unwrapped, input_ids, attention_mask, num_completion)
             aux_loss = None
-        out = self.teacher.divergence_loss(
-            unwrapped, student_hidden, inputs, loss_mask, normalizer, self.args.jsd_beta, self.temperature
-        )
+        if "teacher_selection" in inputs:  # state selection: only the rows not skipped reach the teacher
+            out = divergence_on_scored_rows(self, unwrapped, student_hidden, inputs, loss_mask, normalizer)
+        else:
+            out = self.teacher.divergence_loss(
+                unwrapped, student_hidden, inputs, loss_mask, normalizer, self.args.jsd_beta, self.temperature
+            )
         logps, entropies = out.logps, out.entropies
         if logps is None:  # a served teacher's loss projects the supervised positions only: one more pass here
             with torch.no_grad():
@@ -656,15 +708,14 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
         return out.loss, logps, entropies, out.teacher_logps, aux_loss
 
-    def _log_teacher_metrics(
-        self, logps, teacher_logps, entropies, completion_mask, loss_mask, token_source, teachers
-    ):
+    def _log_teacher_metrics(self, logps, teacher_logps, entropies, scored, loss_mask, token_source, teachers):
         """`teacher_kl/sampled` (the sampled reverse KL `log p_S - log p_T`, a one-sample estimate of KL(p_S || p_T))
-        and `teacher_nll`, means over every completion token the student sampled itself (supervised or not); with
+        and `teacher_nll`, means over every completion token the student sampled itself (supervised or not) in the
+        rows the teacher scored (`scored`: the completion mask, less the rows state selection skipped); with
         several teachers, `teacher_kl/sampled/<name>` per teacher too (each row's `teachers` entry). Supervised
         tokens per teacher are counted per optimizer step by the state records (`StateLoggingCallback`)."""
         mode = "train" if self.model.training else "eval"
-        sampled = completion_mask.bool() & (token_source == LEARNER)
+        sampled = scored & (token_source == LEARNER)
         if self.args.signal == "continuation":
             sampled &= ~loss_mask.bool()  # the student's own prefix; the rest was written by the teacher
         kl = (logps - teacher_logps) * sampled

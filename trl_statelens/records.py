@@ -16,7 +16,10 @@ One record per supervised token holds:
 - ``teacher_logp``: the teacher's log-probability of the token (NaN without a teacher);
 - ``weight``: what the loss multiplies the token by (1 for SFT, the advantage for GRPO);
 - ``teacher``: with several teachers, which one answers the token's row (an index into the trainer's
-  ``state_teacher_names``), -1 otherwise.
+  ``state_teacher_names``), -1 otherwise;
+- ``selection``: with state selection (``skip_correct_rollouts``), whether the teacher scored the token's row
+  (``selection.SCORED``, ``RECHECKED``) or skipped it as correct (``SKIPPED``: recorded with weight 0 and no teacher
+  log-prob, and left out of every supervised-token metric); 0 (scored) otherwise.
 
 A sequence sampled for the ledger whose teacher read a prompt of its own (a self teacher shown privileged context)
 also carries that ``teacher_prompt`` and ``teacher_context_len``, its tokens over the student's prompt; its
@@ -32,10 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from .collective import gather_counts
+from .selection import SELECTION_FIELDS, SKIPPED
 
 STATE_SOURCES = ("dataset", "learner", "teacher")
-TOKEN_FIELDS = ("rank", "sequence", "prefix_len", "source", "logp", "entropy", "teacher_logp", "weight", "teacher")
-INTEGER_FIELDS = ("rank", "sequence", "prefix_len", "source", "teacher")
+TOKEN_FIELDS = (
+    "rank", "sequence", "prefix_len", "source", "logp", "entropy", "teacher_logp", "weight", "teacher", "selection"
+)  # fmt: skip
+INTEGER_FIELDS = ("rank", "sequence", "prefix_len", "source", "teacher", "selection")
 PREFIX_QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -63,6 +69,7 @@ class StateRecords:
     teacher_logp: torch.Tensor
     weight: torch.Tensor
     teacher: torch.Tensor | None = None  # None: no teacher routing, every entry -1
+    selection: torch.Tensor | None = None  # None: no state selection, every entry SCORED (0)
     samples: list[dict] = field(default_factory=list)
     teacher_tokens: int | None = None  # positions the teacher scored or wrote (all ranks); None: no teacher
     teacher_context_tokens: int = 0  # tokens of a self teacher's prompts beyond the student's (all ranks)
@@ -70,9 +77,25 @@ class StateRecords:
     def __post_init__(self):
         if self.teacher is None:
             self.teacher = torch.full_like(self.source, -1)
+        if self.selection is None:
+            self.selection = torch.zeros_like(self.source)
 
     def __len__(self) -> int:
         return self.logp.numel()
+
+    def supervised(self) -> StateRecords:
+        """The records of the tokens the loss supervises: all of them, less the rows state selection skipped (which
+        are recorded for the ledger only)."""
+        skipped = self.selection == SKIPPED
+        if not skipped.any():
+            return self
+        keep = ~skipped
+        return StateRecords(
+            **{name: getattr(self, name)[keep] for name in TOKEN_FIELDS},
+            samples=self.samples,
+            teacher_tokens=self.teacher_tokens,
+            teacher_context_tokens=self.teacher_context_tokens,
+        )
 
     @classmethod
     def empty(cls, device=None) -> StateRecords:
@@ -133,7 +156,7 @@ def aggregate_states(records: StateRecords, teacher_names: tuple[str, ...] = ())
     the learner sampled, supervised or not; the probe's ``drift/teacher_kl/exact`` is the exact full-vocabulary KL.) The records move to the CPU once and are reduced there in float64 (some devices, such
     as Apple MPS, have no float64).
     """
-    records = records.cpu()
+    records = records.cpu().supervised()
     num_tokens = len(records)
     num_sequences = torch.unique(records.rank * (records.sequence.max() + 1 if num_tokens else 1) + records.sequence)
     metrics = {"supervised_tokens": float(num_tokens), "sequences": float(num_sequences.numel())}
@@ -192,6 +215,7 @@ def _quantiles(values: torch.Tensor, quantiles: tuple[float, ...]) -> torch.Tens
 
 def prefix_len_histogram(records: StateRecords) -> list[int]:
     """Supervised tokens per prefix-length bin; bin ``k`` holds prefix lengths in ``[2**k - 1, 2**(k+1) - 1)``."""
+    records = records.supervised()
     if len(records) == 0:
         return []
     bins = torch.log2(records.prefix_len.cpu().double() + 1).floor().long()
@@ -224,6 +248,7 @@ class _MicroBatchStates:
     teacher_prompts: list[list[int]] | None = (
         None  # (B,) each row's teacher prompt, when it differs from the student's
     )
+    selection: torch.Tensor | None = None  # (B,) each row's state-selection code, with state selection
 
 
 class StateRecorderMixin:
@@ -275,6 +300,7 @@ class StateRecorderMixin:
         rewards: torch.Tensor | None = None,
         teachers: list[str] | None = None,
         teacher_prompts: list[list[int]] | None = None,
+        selection: torch.Tensor | None = None,
     ) -> None:
         """Record the supervised states of one micro-batch.
 
@@ -302,6 +328,9 @@ class StateRecorderMixin:
             teacher_prompts (`list[list[int]]` of length `B`, *optional*): the token ids of the prompt each row's
                 teacher read, when it is not the student's (a self teacher's privileged prompt), written to the ledger
                 with its length over the student's prompt.
+            selection (`torch.Tensor` of shape `(B,)`, *optional*): each row's state-selection code
+                (`selection.SCORED`, `SKIPPED`, `RECHECKED`); a skipped row's tokens are passed in `supervised_mask`
+                to be recorded, and are left out of the supervised-token metrics.
         """
         if self._state_buffer is None:
             return
@@ -353,6 +382,9 @@ class StateRecorderMixin:
         if teachers is not None:
             codes = torch.tensor([self.state_teacher_names.index(t) for t in teachers], device=device)
             token_teacher_code = _per_row(codes, batch_size, seq_len, device, torch.long).flatten()[flat_supervised]
+        token_selection = None
+        if selection is not None:
+            token_selection = _per_row(selection, batch_size, seq_len, device, torch.long).flatten()[flat_supervised]
 
         offset = self._state_sequences_in_step
         records = StateRecords(
@@ -365,6 +397,7 @@ class StateRecorderMixin:
             teacher_logp=token_teacher,
             weight=token_weight.detach().float(),
             teacher=token_teacher_code,
+            selection=token_selection,
         )
         recorded = last >= 0  # sequences with at least one supervised token
         start = torch.full((num_sequences,), seq_len, device=device).scatter_reduce(
@@ -385,6 +418,7 @@ class StateRecorderMixin:
                 rewards=None if rewards is None else rewards.detach().float(),
                 teachers=teachers,
                 teacher_prompts=teacher_prompts,
+                selection=None if selection is None else selection.detach(),
             )
         )
         self._state_sequences_in_step += num_sequences
@@ -479,6 +513,7 @@ class StateRecorderMixin:
                     "reward": None if part.rewards is None else _finite_or_none(part.rewards[row].item()),
                     **({} if part.teachers is None else {"teacher": part.teachers[row]}),
                     **teacher_fields,
+                    **({} if part.selection is None else SELECTION_FIELDS[int(part.selection[row])]),
                     "num_supervised": int(tokens.sum()),
                     "tokens": tokenizer.batch_decode(supervised_ids[:, None]),
                     "prefix_len": prefix_len,

@@ -342,7 +342,8 @@ def compute_counts(trainer) -> dict:
     totals = ledger_totals(ledger)
     tokens = tokens_seen(trainer)
     context = totals.get("teacher_context_tokens", 0.0)
-    by_part = counter.split(tokens, totals.get("supervised_tokens", 0.0), totals, context)
+    skipped = totals.get("teacher_skipped_tokens", 0.0)  # rollouts the teacher did not score (state selection)
+    by_part = counter.split(tokens, totals.get("supervised_tokens", 0.0), totals, context, skipped)
     per_token, per_supervised = counter.split(1, 0, totals)["total"], counter.split(0, 1, totals)["total"]
     counts = {
         "student_parameters": counter.student,

@@ -83,9 +83,12 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
     context_len = line.get("teacher_context_len")
     reward = line.get("reward")
     teacher_name = line.get("teacher")  # runs with several teachers only
+    # State selection (`skip_correct_rollouts`): why the teacher did not score the sequence, or that it rechecked it
+    selection = line.get("skipped") or ("recheck" if line.get("recheck") else None)
     return {
         "r": run_index,
         "te": teacher_name if isinstance(teacher_name, str) else None,
+        "sk": selection if isinstance(selection, str) else None,
         "s": int(line.get("step", 0)),
         "src": STATE_SOURCES.index(source) if source in STATE_SOURCES else -1,
         "rw": float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None,
@@ -272,6 +275,8 @@ label { margin-right: .6em; white-space: nowrap; }
 .seq-head { font-size: .8em; color: #444; margin-bottom: .3em; }
 .seq-head b { color: #000; }
 .badge { display: inline-block; padding: 0 .4em; border-radius: 3px; color: #fff; font-size: .9em; }
+.badge.skipped { background: #777; } .badge.recheck { background: #b8860b; }
+.seq.skipped { border-style: dashed; background: #f6f6f6; } .seq.skipped .completion { opacity: .45; text-decoration: line-through; }
 .text { font-family: ui-monospace, monospace; font-size: .85em; white-space: pre-wrap; word-break: break-word;
   line-height: 1.6; }
 .prompt { color: #888; border-left: 3px dashed #ccc; padding-left: .4em; margin-bottom: .2em; }
@@ -482,7 +487,7 @@ const fmt = (v, d = 3) => (v === null || v === undefined ? "–" : Number(v).toF
 function showToken(text) { return text.replace(/\n/g, "↵\n").replace(/\t/g, "→"); }
 function renderSequence(seq, index) {
   const div = document.createElement("div");
-  div.className = "seq"; div.dataset.k = index;
+  div.className = seq.sk === "recheck" || !seq.sk ? "seq" : "seq skipped"; div.dataset.k = index;
   const head = document.createElement("div");
   head.className = "seq-head";
   const source = SOURCES[seq.src] || "?";
@@ -490,7 +495,11 @@ function renderSequence(seq, index) {
     `<span class="badge" style="background:${SOURCE_COLORS[source] || "#999"}">${source}</span> · ` +
     (seq.te === null ? "" : `teacher <span class="badge teacher" style="background:${teacherColor(seq.te, 0)}">` +
       `${escapeHtml(seq.te)}</span> · `) +
-    `${seq.lp.length} supervised tokens · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
+    (!seq.sk ? "" : seq.sk === "recheck"
+      ? `<span class="badge recheck" title="correct, scored anyway (recheck_fraction)">recheck</span> · `
+      : `<span class="badge skipped" title="not scored by the teacher; weight 0">skipped: ${escapeHtml(seq.sk)}</span> · `) +
+    (seq.sk && seq.sk !== "recheck" ? `${seq.lp.length} tokens, not supervised` : `${seq.lp.length} supervised tokens`) +
+    ` · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
     `teacher KL ${fmt(seq.kl)}`;
   let prompt = promptBlock(seq.p, null);
   if (seq.tp !== null && seq.tp !== undefined) {  // the teacher read a prompt of its own: the two side by side
