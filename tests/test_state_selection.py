@@ -40,12 +40,11 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def watch(trainer):
-    """Record each training generation batch's output, and every row the teacher is asked to score or to compute a
-    divergence on: `(completion tokens,)` per row, in order."""
+def watch(trainer, teacher=True):
+    """Record each training generation batch's output, and (with `teacher`) every row the teacher is asked to score
+    or to compute a divergence on: its completion tokens, in order."""
     seen = {"batches": [], "scored": [], "divergence": []}
-    generate_and_score, score = trainer._generate_and_score_completions, trainer.teacher.score
-    divergence_loss = trainer.teacher.divergence_loss
+    generate_and_score = trainer._generate_and_score_completions
 
     def batches(inputs):
         output = generate_and_score(inputs)
@@ -53,18 +52,9 @@ def watch(trainer):
             seen["batches"].append(output)
         return output
 
-    def scoring(prompts, completions, *args, **kwargs):
-        seen["scored"] += [list(c) for c in completions]
-        return score(prompts, completions, *args, **kwargs)
-
-    def divergence(student, hidden, batch, *args, **kwargs):
-        ids, mask = batch["completion_ids"], batch["completion_mask"]
-        seen["divergence"] += [ids[i][mask[i].bool()].tolist() for i in range(ids.size(0))]
-        return divergence_loss(student, hidden, batch, *args, **kwargs)
-
     trainer._generate_and_score_completions = batches
-    trainer.teacher.score = scoring
-    trainer.teacher.divergence_loss = divergence
+    if teacher:
+        watch_teacher(trainer.teacher, seen)
     return seen
 
 
@@ -302,15 +292,10 @@ def test_every_teacher_kind_scores_only_the_rows_not_skipped(tmp_path, student_p
                 reward_funcs=[score_reward],
                 callbacks=[StateLoggingCallback(sample_rate=1.0)],
             )
-            if kind == "two_teachers":  # each routed teacher is asked for its own rows
-                seen = {"batches": [], "scored": [], "divergence": []}
+            seen = watch(trainer, teacher=kind != "two_teachers")
+            if kind == "two_teachers":  # what each routed teacher is asked for, its own rows, instead of the router
                 for teacher in trainer.teacher.teachers.values():
-                    inner = watch_teacher(teacher, seen)
-                outer = watch(trainer)
-                seen["batches"] = outer["batches"]
-                del inner
-            else:
-                seen = watch(trainer)
+                    watch_teacher(teacher, seen)
             trainer.train()
             (output,) = seen["batches"]
             served_divergence = kind == "served" and signal == "divergence"
@@ -326,7 +311,7 @@ def test_every_teacher_kind_scores_only_the_rows_not_skipped(tmp_path, student_p
 
 
 def watch_teacher(teacher, seen):
-    """As `watch`, on one teacher of a router."""
+    """Record into `seen` every row `teacher` is asked to score or to compute a divergence on."""
     score, divergence_loss = teacher.score, teacher.divergence_loss
 
     def scoring(prompts, completions, *args, **kwargs):
@@ -339,7 +324,6 @@ def watch_teacher(teacher, seen):
         return divergence_loss(student, hidden, batch, *args, **kwargs)
 
     teacher.score, teacher.divergence_loss = scoring, divergence
-    return seen
 
 
 def test_without_the_lever_nothing_is_selected(tmp_path, student_path, teacher_path, math_dataset):

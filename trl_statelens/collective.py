@@ -14,6 +14,9 @@ Where (in `teachers/`): `InProcessTeacher.generate` (one call while any process 
 `ServedTeacher.divergence_loss` (the student's output layer, per `heads.POSITION_CHUNK` supervised positions). A
 [`SelfTeacher`] scores, writes and computes its loss through the first three; a router asks each of its teachers on
 every process, rows or none. A served teacher's scoring and writing are requests to its server, no collective.
+With state selection (`skip_correct_rollouts`), `selection.divergence_on_scored_rows` hands a process whose rows were
+all skipped a stand-in inside the student's graph (so its output layer's gradient is collective there too) and calls
+the student's output layer once per micro-batch on every process.
 """
 
 from __future__ import annotations
