@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, gsm8k_accuracy_reward
 from trl_statelens.runs import (
     LAB,
     LAB_TEACHER,
@@ -55,6 +55,10 @@ def named_teachers(value: str, lab_seed: int) -> dict[str, str] | None:
         name.strip(): teacher if teacher.startswith(("http://", "https://")) else resolve_model(teacher, lab_seed)
         for name, teacher in teachers.items()
     }
+
+
+def uses_reward(training_args: OnPolicyDistillConfig) -> bool:
+    return bool(training_args.reward_weight) or training_args.skip_correct_rollouts
 
 
 def stock_served_trainer(model_path, teacher_path, training_args, dataset, model_args, callback):
@@ -134,6 +138,8 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
             teacher_model=teachers if teachers is not None else teacher_path,
             args=training_args,
             train_dataset=dataset,
+            # the exact-final-answer reward, as recipes/grpo.py's, only where an option reads it
+            reward_funcs=gsm8k_accuracy_reward if uses_reward(training_args) else None,
             peft_config=get_peft_config(model_args),
             callbacks=[callback],
         )

@@ -17,10 +17,12 @@ step-0 samples, on number tokens and the rest, by prefix position (`statelens/dr
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from trl_statelens.report import load_run, target_scores_during, training_flops, write_report
@@ -69,6 +71,14 @@ BUDGET_ARMS = {
     "budget_prog16": [*ARMS["divergence_g1"], "--horizon", "16", "--horizon_growth", "1"],
 }
 BUDGET_REFERENCE, BUDGET_STEPS, BUDGET_MARGIN = "budget_plain", 75, 0.02
+# The pre-registered candidates for passing a degraded teacher (issue 35, STUDY.md), run with the stress teacher after
+# `--`: the look's setting that does not pull the student on rollouts it gets right, and the teacher's advantage plus
+# GRPO's reward advantage (8 prompts x 4 rollouts, the same 32 rollouts a step)
+DEGRADED_ARMS = {
+    "degraded_skip_correct": [*ARMS["divergence_g1"], "--skip_correct_rollouts", "true", "--recheck_fraction", "0.1"],
+    "degraded_reward_rkl": ["--signal", "reverse_kl", "--num_generations", "4", "--reward_weight", "1.0",
+                            "--max_steps", "150"],
+}  # fmt: skip
 # The lab's mild SFT (recipes/sft.py, lab config) on the same dev protocol, for the equal-compute comparison
 SFT_FLAGS = ["--target_eval_steps", "10", "--probe_steps", "10"]
 
@@ -76,21 +86,34 @@ SFT_FLAGS = ["--target_eval_steps", "10", "--probe_steps", "10"]
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/opd-diagnosis")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS, *BUDGET_ARMS, "sft"])
+    parser.add_argument(
+        "--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *GRPO_ARMS, *BUDGET_ARMS, *DEGRADED_ARMS, "sft"]
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--jobs", type=int, default=1, help="arms run at once, one process (one torch thread) each")
     parser.add_argument("--choose", action="store_true", help="only apply the pre-registered rule to finished arms")
     parser.add_argument("--grpo_arms", action="store_true", help="print the GRPO candidates' names and stop")
     parser.add_argument("--budget_arms", action="store_true", help="print the teacher-budget arms' names and stop")
+    parser.add_argument("--degraded_arms", action="store_true", help="print the degraded-teacher candidates and stop")
     parser.add_argument("--reach", action="store_true", help="only read the finished teacher-budget arms (STUDY.md)")
+    parser.add_argument(
+        "--against_teacher",
+        action="store_true",
+        help="--choose: the reference is the teacher's dev score, not the base's",
+    )
+    parser.add_argument("--errors", nargs="+", metavar="NAME=ITEMS", help="print each items file's error profile")
     parser.add_argument("--tolerance", type=float, default=0.03, help="the rule's margin below the best (STUDY.md)")
     parser.add_argument(
         "extra", nargs="*", help="more recipe flags for every arm, after --, e.g. -- --learning_rate 1e-3"
     )
     args = parser.parse_args()
-    if args.grpo_arms or args.budget_arms:
-        print(" ".join(GRPO_ARMS if args.grpo_arms else BUDGET_ARMS))
+    if args.grpo_arms or args.budget_arms or args.degraded_arms:
+        print(" ".join(GRPO_ARMS if args.grpo_arms else BUDGET_ARMS if args.budget_arms else DEGRADED_ARMS))
+        return
+    if args.errors:
+        for name, items in (pair.split("=", 1) for pair in args.errors):
+            print(f"{name:<20}", dict(error_profile(Path(items))))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +121,8 @@ def main():
         reach(out, [arm for arm in BUDGET_ARMS if (out / arm / "results.json").exists()])
         return
     if args.choose:
-        choose(out, [arm for arm in args.arms if (out / arm / "results.json").exists()], args.tolerance)
+        arms = [arm for arm in args.arms if (out / arm / "results.json").exists()]
+        choose(out, arms, args.tolerance, args.against_teacher)
         return
     common = [
         "--eval_split", "dev", "--max_steps", str(args.steps), "--target_eval_steps", str(args.eval_every),
@@ -122,7 +146,7 @@ def main():
             command = [sys.executable, str(RECIPES / "grpo.py"), "--output_dir", str(folder), *common, *GRPO_FLAGS,
                        *GRPO_ARMS[arm]]  # fmt: skip
         else:
-            flags = BUDGET_ARMS[arm] if arm in BUDGET_ARMS else ARMS[arm]
+            flags = {**ARMS, **BUDGET_ARMS, **DEGRADED_ARMS}[arm]
             command = [sys.executable, str(RECIPES / "opd.py"), "--output_dir", str(folder), *common, *flags]
         print(f"{arm}: {' '.join(command)}", flush=True)
         running.append((arm, subprocess.Popen(command, env=env, stdout=(folder / "log.txt").open("w"),
@@ -136,7 +160,7 @@ def main():
     if all(arm in BUDGET_ARMS for arm in args.arms):
         reach(out, args.arms)
     else:
-        choose(out, args.arms, args.tolerance)
+        choose(out, args.arms, args.tolerance, against_teacher=all(arm in DEGRADED_ARMS for arm in args.arms))
 
 
 def smoothed_dev_curve(run) -> tuple[list[int], list[float], list[float]]:
@@ -226,14 +250,25 @@ def plot_reach(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def choose(out: Path, arms: list[str], tolerance: float) -> dict:
+def choose(out: Path, arms: list[str], tolerance: float, against_teacher: bool = False) -> dict:
     """The pre-registered rule (STUDY.md): smooth each dev score with its neighbouring evaluations, take the best,
-    and choose the cheapest (arm, step) within `tolerance` of it; the stock arm is not a candidate."""
+    and choose the cheapest (arm, step) within `tolerance` of it; the stock arm is not a candidate. The score to beat
+    by `tolerance` is the base's (the `before` evaluation), or with `against_teacher` the teacher's (the recipe's
+    evaluation of the teacher on the same problems: passing a degraded teacher)."""
     rows, base = [], None
     for arm in arms:
         run = load_run(out / arm)
         steps, scores, smoothed = smoothed_dev_curve(run)  # step 0: the `before` evaluation
-        base = scores[0] if steps[0] == 0 else base
+        if against_teacher:
+            base = json.loads((out / arm / "eval" / "teacher.json").read_text())["metrics"]["gsm8k"]["accuracy_strict"]
+            # the base's own score is not the student's: smooth over the evaluations during training only
+            trained = [i for i, step in enumerate(steps) if step > 0]
+            smoothed = [None] * (len(steps) - len(trained)) + [
+                sum(scores[j] for j in trained[max(k - 1, 0) : k + 2]) / len(trained[max(k - 1, 0) : k + 2])
+                for k in range(len(trained))
+            ]
+        elif steps[0] == 0:
+            base = scores[0]
         flops = training_flops(run, steps)
         for i, step in enumerate(steps):
             if step > 0:
@@ -243,17 +278,43 @@ def choose(out: Path, arms: list[str], tolerance: float) -> dict:
     best = max(r["smoothed"] for r in candidates)
     chosen = min((r for r in candidates if r["smoothed"] >= best - tolerance), key=lambda r: r["flops"])
     moves = best >= base + tolerance
-    print(f"base dev score {base:.3f}; best smoothed dev score {best:.3f}; rule: cheapest within {tolerance}")
+    reference = "teacher" if against_teacher else "base"
+    print(f"{reference} dev score {base:.3f}; best smoothed dev score {best:.3f}; rule: cheapest within {tolerance}")
     print(f"{'arm':<22}{'step':>6}{'dev':>8}{'smoothed':>10}{'FLOPs':>12}")
     for r in rows:
         mark = " <- chosen" if r is chosen else ""
         print(f"{r['arm']:<22}{r['step']:>6}{r['dev']:>8.3f}{r['smoothed']:>10.3f}{r['flops']:>12.3e}{mark}")
-    verdict = "moves the target" if moves else "does NOT move the target by the margin within these budgets"
+    verdict = (("passes the teacher" if moves else "does NOT pass the teacher by the margin") if against_teacher
+               else ("moves the target" if moves else "does NOT move the target by the margin within these budgets"))  # fmt: skip
     print(f"chosen: {chosen['arm']} at {chosen['step']} steps ({verdict})")
-    result = {"base": base, "best": best, "tolerance": tolerance, "moves_target": bool(moves), "chosen": chosen,
+    result = {reference: base, "best": best, "tolerance": tolerance, "moves_target": bool(moves), "chosen": chosen,
               "candidates": rows}  # fmt: skip
     (out / "chosen.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def error_profile(items: Path) -> Counter:
+    """What kind of mistake each wrong math answer in an evaluation's items file makes, read from its `a op b = c`
+    lines: `copy` (an operand neither in the problem, nor a word for one such as "doubles", nor an earlier result),
+    `arithmetic` (`c` is not `a op b`), `both`, `other` (neither shows in its lines); right answers count as `right`."""
+    operations = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+                  "/": lambda a, b: a / b if b else None}  # fmt: skip
+    implied = {"doubles": "2", "triples": "3", "half": "2", "halves": "2"}
+    profile = Counter()
+    for row in map(json.loads, items.read_text().splitlines()):
+        if row.get("task", "gsm8k") != "gsm8k":
+            continue
+        if row["correct_strict"]:
+            profile["right"] += 1
+            continue
+        known = set(re.findall(r"\d+", row["question"])) | {n for w, n in implied.items() if w in row["question"]}
+        copy = arithmetic = False
+        for a, op, b, c in re.findall(r"(\d+) *([-+*/]) *(\d+) *= *(\d+)", row["output"]):
+            copy |= a not in known or b not in known
+            arithmetic |= operations[op](int(a), int(b)) != int(c)
+            known.add(c)
+        profile["both" if copy and arithmetic else "copy" if copy else "arithmetic" if arithmetic else "other"] += 1
+    return profile
 
 
 def _check(arm: str, process) -> bool:
