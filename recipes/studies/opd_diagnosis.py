@@ -69,6 +69,8 @@ BUDGET_ARMS = {
     "budget_h32": [*ARMS["divergence_g1"], "--horizon", "32"],
     "budget_h48": [*ARMS["divergence_g1"], "--horizon", "48"],
     "budget_prog16": [*ARMS["divergence_g1"], "--horizon", "16", "--horizon_growth", "1"],
+    # amendment 1: state selection, the rollouts the student already answers right not scored (a tenth rechecked)
+    "budget_skip_correct": [*ARMS["divergence_g1"], "--skip_correct_rollouts", "true", "--recheck_fraction", "0.1"],
 }
 BUDGET_REFERENCE, BUDGET_STEPS, BUDGET_MARGIN = "budget_plain", 75, 0.02
 # The pre-registered candidates for passing a degraded teacher (issue 35, STUDY.md), run with the stress teacher after
