@@ -490,3 +490,40 @@ def test_the_reward_signal_plot_reads_the_groups_by_step_and_by_solution_steps(t
     assert list(difficulty_line.get_xdata()) == [1.0, 3.0]
     assert list(difficulty_line.get_ydata()) == [0.5, 2 / 3]  # 3 steps: c has one scored reward, so no spread
     assert imread(tmp_path / "report" / "reward_signal.png").shape[0] > 100
+
+
+def test_the_teacher_tokens_plot_reads_each_evaluation_at_the_teacher_tokens_spent_by_then(tmp_path, monkeypatch):
+    """Issue 36's plot: each OPD run's target score against the ledger's `teacher_tokens_total` at the evaluation's
+    step (a lever that skips teacher work moves its curve left); a run without a teacher (SFT) is not drawn."""
+    from trl_statelens import report
+
+    figures = {}
+    save = report.save
+    monkeypatch.setattr(
+        report, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+    )
+    scored = [{"step": s, "eval/gsm8k/accuracy": 0.30 + 0.02 * s} for s in (2, 4)]
+    before = {"recipe": "opd", "before": evaluation(0.25, 0.3, 0.4), "after": evaluation(0.4, 0.3, 0.4)}
+    folders = []
+    for name, per_step in (("plain", 100.0), ("skipping", 60.0)):
+        lines = step_lines(4, sources={"learner": 1.0}, teacher=True)
+        for line in lines:
+            line.update({"teacher_tokens": per_step, "teacher_tokens_total": per_step * line["step"]})
+        folders.append(write_run(tmp_path / name, results={**before, "run_name": name}, steps=lines,
+                                 log_history=scored))  # fmt: skip
+    folders.append(
+        write_run(
+            tmp_path / "sft",
+            results={**before, "recipe": "sft", "run_name": "sft"},
+            steps=step_lines(4, sources={"dataset": 1.0}),
+            log_history=scored,
+        )  # fmt: skip
+    )
+    tokens, scores = report.teacher_tokens_curve(load_run(folders[1]))
+    assert tokens.tolist() == [0.0, 120.0, 240.0] and scores.tolist() == pytest.approx([0.25, 0.34, 0.38])
+    assert report.teacher_tokens_curve(load_run(folders[2])) is None
+    write_report(folders, tmp_path / "report")
+    (ax,) = figures["teacher_tokens.png"].axes
+    assert sorted(line.get_label() for line in ax.lines) == ["plain", "skipping"]
+    assert [line.get_xdata().tolist() for line in ax.lines if line.get_label() == "plain"] == [[0.0, 200.0, 400.0]]
+    assert "teacher_tokens.png" in (tmp_path / "report" / "report.md").read_text()

@@ -869,6 +869,39 @@ def plot_compute(runs, styles, out_dir, base_scores: dict | None = None) -> Path
     return save(figure, out_dir, "compute.png")
 
 
+def teacher_tokens_curve(run: Run, base_scores: dict | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(teacher tokens spent so far, target score) at each evaluation during training: the ledger's
+    `teacher_tokens_total` at the last step at or before it, the base's score at 0 when the run has no `before`;
+    `None` for a run without a teacher in its ledger (SFT, GRPO)."""
+    curve = target_scores_during(run, target_eval_key(run).rsplit("/", 1)[-1])
+    spent = column(run.steps, "teacher_tokens_total")
+    if curve is None or spent is None or not len(spent) or np.isnan(spent).all():
+        return None
+    steps, scores = curve
+    index = np.searchsorted(run.steps["step"].to_numpy(), steps, side="right")
+    tokens = np.r_[0.0, np.nan_to_num(spent)][index]
+    if steps[0] > 0 and (base_scores or {}).get(TARGET_TASK) is not None:
+        tokens, scores = np.r_[0.0, tokens], np.r_[float(base_scores[TARGET_TASK]), scores]
+    return tokens, scores
+
+
+def plot_teacher_tokens(runs, styles, out_dir, base_scores: dict | None = None) -> Path | None:
+    curves = {run.label: c for run in runs if (c := teacher_tokens_curve(run, base_scores)) is not None}
+    if not curves:
+        return None
+    figure, (ax,) = new_figure()
+    for label, (tokens, scores) in curves.items():
+        style = styles[label]
+        ax.plot(tokens, scores, color=style["color"], label=label, linewidth=style["width"],
+                marker=style["marker"], markersize=2.5 * style["width"])  # fmt: skip
+    ax.set_xlabel("teacher tokens so far (ledger teacher_tokens_total: positions a teacher scored or wrote)")
+    ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
+    ax.set_title("Target score vs teacher tokens (up and left is better)")
+    ax.margins(y=0.1)
+    finish_legend(ax)
+    return save(figure, out_dir, "teacher_tokens.png")
+
+
 def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
     """Where the student still disagrees with its teacher, measured the same way for every trainer on the probe
     states (exact reverse KL), next to the target score greedy and sampled when a run scored it during training (no
@@ -1062,6 +1095,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "Target score vs training compute",
             lambda: plot_compute(runs, styles, out_dir, base_scores),
             "no run has `compute` in results.json and target scores during training (--target_eval_steps N)",
+        ),
+        (
+            "Target score vs teacher tokens",
+            lambda: plot_teacher_tokens(runs, styles, out_dir, base_scores),
+            "no run has a teacher in its ledger and target scores during training (--target_eval_steps N)",
         ),
         (
             "Where the student disagrees with its teacher",
