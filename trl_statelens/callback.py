@@ -16,7 +16,7 @@ from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import unwrap_model_for_generation
 
 from .checks import check_probe_lengths, context_length
-from .compute import FLOPS_PARTS, ComputeCounter, ledger_totals, tokens_seen
+from .compute import FLOPS_PARTS, ComputeCounter, cache_counts, ledger_totals, tokens_seen
 from .drift import PrefixFeatures, probe_drift
 from .records import StateRecorderMixin, aggregate_states, has_spread, prefix_len_histogram
 
@@ -249,6 +249,7 @@ class StateLoggingCallback(TrainerCallback):
             totals,
             totals.get("teacher_context_tokens", 0.0),
             totals.get("teacher_skipped_tokens", 0.0),
+            cache_counts(totals),
         )
 
     def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:
@@ -274,7 +275,8 @@ class StateLoggingCallback(TrainerCallback):
         if store is None:
             return
         for name, value in metrics.items():
-            if value is not None and math.isfinite(value):
+            # (a number: the ledger's strings, such as the teacher cache's `refreshed`, are not metrics)
+            if value is not None and not isinstance(value, str) and math.isfinite(value):
                 store["train"][METRIC_PREFIX + name].append(value)
 
     def _check_no_ledger_on_every_rank(self, state) -> None:

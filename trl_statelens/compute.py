@@ -15,6 +15,9 @@ LEDGER_COUNTS = (
     "teacher_tokens",
     "teacher_context_tokens",
     "teacher_skipped_tokens",
+    "cache_reused_tokens",
+    "cache_reused_completion_tokens",
+    "cache_checked_tokens",
 )  # per-step counts the run sums
 
 
@@ -89,6 +92,13 @@ class ComputeCounter:
     the teacher did not score (state selection, `skip_correct_rollouts`) is not counted as teacher work: its prompt
     and completion tokens (`teacher_skipped_tokens`, the ledger's count) come off the teacher's reads.
 
+    The offline teacher cache (`teacher_cache_steps`): a step trained on a reused batch samples nothing and asks the
+    teacher nothing (GRPO counts no `num_tokens` then), but trains the student on the batch's prompt and completion
+    tokens (`cache_reused_tokens`, 6 N_S each), and the staleness check runs the student forward on them
+    (`cache_checked_tokens`, 2 N_S each); with an in-process teacher's `divergence`, the teacher's output layer
+    (`teacher_head` parameters) projects its cached hidden states again at each reused completion token
+    (`cache_reused_completion_tokens`, 2 each).
+
     N_T is the teacher's size: the student's for a self teacher;
     with several teachers, their sizes weighted by the tokens each supervised (`supervised_tokens/<name>`). A teacher
     on a server has a size this process cannot know: its FLOPs are then `None`, and so is the total.
@@ -99,6 +109,7 @@ class ComputeCounter:
     samples: bool
     reference: bool
     continuation: bool
+    teacher_head: int = 0  # the teacher's output layer, run again on a reused batch (an in-process `divergence`)
 
     @classmethod
     def of(cls, trainer) -> ComputeCounter:
@@ -111,39 +122,63 @@ class ComputeCounter:
             samples=samples,
             reference=samples and bool(getattr(args, "beta", 0.0)) and getattr(trainer, "ref_model", None) is not None,
             continuation=getattr(args, "signal", None) == "continuation",
+            teacher_head=_cached_teacher_head(trainer),
         )
 
-    def teacher(self, supervised_by_teacher: dict | None = None) -> float | None:
-        """N_T, weighted by `supervised_by_teacher` (`supervised_tokens/<name>` totals) for teachers of several
-        sizes."""
+    def teacher(self, totals: dict | None = None) -> float | None:
+        """N_T, weighted by the ledger's `totals` (`supervised_tokens/<name>`) for teachers of several sizes."""
         if not self.samples:
             return 0
-        return weighted_teacher_size(self.teacher_sizes, [supervised_by_teacher or {}])
+        return weighted_teacher_size(self.teacher_sizes, [totals or {}])
 
     def split(
         self,
         tokens: float,
         supervised: float,
-        supervised_by_teacher: dict | None = None,
+        totals: dict | None = None,
         teacher_context: float = 0.0,
         teacher_skipped: float = 0.0,
+        cache: dict | None = None,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
         counts them), `supervised` tokens, `teacher_context` tokens (a self teacher's, `teacher_context_tokens`) and
-        `teacher_skipped` tokens (of the rollouts the teacher did not score, `teacher_skipped_tokens`)."""
-        student, teacher = self.student, self.teacher(supervised_by_teacher)
+        `teacher_skipped` tokens (of the rollouts the teacher did not score, `teacher_skipped_tokens`); `totals`, the
+        ledger's summed counts, weigh teachers of several sizes; `cache`, the teacher cache's counts
+        (`cache_reused_tokens`, `cache_reused_completion_tokens`, `cache_checked_tokens`: [`cache_counts`])."""
+        student, teacher, cache = self.student, self.teacher(totals), cache or {}
         teacher_reads = tokens + teacher_context - teacher_skipped
         parts = {
             "student_generation": 2 * student * tokens if self.samples else 0.0,
             "student_training": (6 + 2 * self.reference) * student * tokens,
             "teacher": None if teacher is None else (2 + 2 * self.continuation) * teacher * teacher_reads,
         }
+        reused, checked = cache.get("cache_reused_tokens", 0.0), cache.get("cache_checked_tokens", 0.0)
+        parts["student_training"] += 6 * student * reused + 2 * student * checked
+        if parts["teacher"] is not None:
+            parts["teacher"] += 2 * self.teacher_head * cache.get("cache_reused_completion_tokens", 0.0)
         if self.continuation:
             parts["student_training"] += 6 * student * supervised
             if teacher is not None:
                 parts["teacher"] += 4 * teacher * supervised
         known = [value for value in parts.values() if value is not None]
         return {**parts, "total": sum(known) if len(known) == len(parts) else None}
+
+
+def _cached_teacher_head(trainer) -> int:
+    """The parameters of the teacher's output layer when a reused batch runs it again (an in-process teacher's
+    `divergence` with `teacher_cache_steps > 1`, which projects the cached hidden states), else 0."""
+    args, teacher = trainer.args, getattr(trainer, "teacher", None)
+    if getattr(args, "teacher_cache_steps", 1) <= 1 or args.signal != "divergence" or teacher is None:
+        return 0
+    if teacher.model is None or teacher.reads_own_prompts:
+        return 0
+    weight = getattr(teacher.model, "module", teacher.model).get_output_embeddings().weight
+    return getattr(weight, "ds_numel", weight.numel())
+
+
+def cache_counts(totals: dict) -> dict[str, float]:
+    """The teacher cache's counts among the ledger's `totals`, for [`ComputeCounter.split`]'s `cache`."""
+    return {key: value for key, value in totals.items() if key.startswith("cache_")}
 
 
 def ledger_totals(lines: list[dict]) -> dict[str, float]:

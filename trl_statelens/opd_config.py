@@ -156,6 +156,39 @@ class OnPolicyDistillConfig(GRPOConfig):
             a whole number, $f n$ on average otherwise), chosen at random. The draws come from a generator seeded with
             the run's `seed`, the rank, the optimizer step and the generation batch within it: the same rows again
             after a resume. `0` skips every correct rollout, `1` skips none (the rewards are still computed first).
+        teacher_cache_steps (`int`, *optional*, defaults to `1`):
+            Offline teacher cache: a generation batch's rollouts and the teacher's signal on them are reused for up to
+            this many optimizer steps (`1`, the default, samples and scores anew every step: the cache is off). A
+            *refresh* samples the batch and has the teacher score it; the next steps train on the same micro-batches
+            without sampling or calling the teacher: `reverse_kl` reuses the teacher's per-token log-probs, a served
+            teacher's `divergence` its top-k log-probs, an in-process teacher's `divergence` its final hidden states at
+            the completion positions (kept by the refresh step's loss; on a reused step only the teacher's output
+            layer projects them again, counted in the teacher FLOPs). Valid while the student stays close to the
+            policy that sampled the batch (Lightning OPD, arXiv 2604.13010): see `teacher_cache_max_staleness`.
+            Each step's ledger line says whether it refreshed and why (`refreshed`: `"first"`, `"age"`,
+            `"staleness"`, or `None` when served from the cache), the batch's `cache_age` (0 on a refresh) and its
+            `teacher_cache/staleness` (also logged by the trainer); each sequence in `states.jsonl` carries
+            `from_cache` and `cache_age`. `statelens/teacher_tokens`, the teacher FLOPs and the student's generation
+            FLOPs count the refresh steps only; the student's training FLOPs count the reused tokens
+            (`cache_reused_tokens`) and the staleness check's forward (`cache_checked_tokens`). The data loader's
+            prompts of a reused step are not used. A resumed run holds no cache (GRPO keeps its generation batch in
+            memory only), so its first step refreshes. Needs `steps_per_generation` equal to
+            `gradient_accumulation_steps` (one generation batch per optimizer step). Refused with
+            `signal="continuation"` (the teacher writes the supervised tokens from a fresh cut of each rollout: not
+            supported yet), `skip_correct_rollouts` (not supported yet), a `teacher_model_kind` (a `live` or `ema` self
+            teacher moves with the student, so its cached signal would go stale in a way the staleness does not
+            measure; `base` is not supported yet), several teachers (a `teacher_model` dict: not supported yet),
+            `use_vllm` (GRPO's vLLM importance-sampling ratio is computed for the sampling policy only) and the stock
+            baselines (no stock trainer reuses a batch).
+        teacher_cache_max_staleness (`float`, *optional*):
+            With `teacher_cache_steps > 1`, refresh the cache before its age limit when its staleness exceeds this:
+            a sampled estimate of KL(sampling policy ‖ current student) over the cached rollouts' sampled completion
+            tokens, the mean of $r_t - 1 - \log r_t$ with $r_t = p_S(y_t|s_t) / p_{\text{sampling}}(y_t|s_t)$
+            (non-negative at every token; the plain mean of $-\log r_t$, logged as `teacher_cache/log_ratio`, goes
+            negative as the student trains on these very tokens and raises their probability), measured before every reuse with a no-grad forward of the student on the cached batch and summed over
+            every rank (so every rank decides alike). The sampling log-probs are the refresh step's own loss forward
+            (the policy that sampled the batch, before its update). `None` (the default) refreshes by age only (the
+            staleness is still logged, from each step's loss forward).
 
         > The student as its own teacher (self-distillation with privileged context; TRL's `SDFTConfig` names)
 
@@ -257,6 +290,14 @@ class OnPolicyDistillConfig(GRPOConfig):
         default=0.1,
         metadata={"help": "Share of the correct rollouts the teacher scores anyway (skip_correct_rollouts)."},
     )
+    teacher_cache_steps: int = field(
+        default=1,
+        metadata={"help": "Optimizer steps a generation batch and its teacher signal are reused for (1: off)."},
+    )
+    teacher_cache_max_staleness: float | None = field(
+        default=None,
+        metadata={"help": "Refresh the teacher cache early when its sampled KL to the current student exceeds this."},
+    )
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
     )
@@ -347,6 +388,7 @@ class OnPolicyDistillConfig(GRPOConfig):
         self._check_grpo_loss_settings()
         self._check_horizon()
         self._check_state_selection()
+        self._check_teacher_cache()
         self._check_self_teacher_settings()
         # Which teacher reads the teacher settings is known here for a self teacher or teacher_model_server_url;
         # otherwise the trainer checks them once its teacher_model is given
@@ -372,6 +414,13 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "rollouts an older policy sampled, which GRPO corrects with clipped importance ratios and on-policy "
                 "distillation does not. Make steps_per_generation divide gradient_accumulation_steps, or use "
                 "signal='continuation' or 'divergence' (supervision at given states, no sampled-token gradient)"
+            )
+        if self.teacher_cache_steps > 1 and self.steps_per_generation != self.gradient_accumulation_steps:
+            raise ValueError(
+                f"teacher_cache_steps={self.teacher_cache_steps} with steps_per_generation={self.steps_per_generation} "
+                f"and gradient_accumulation_steps={self.gradient_accumulation_steps}: the cache holds one generation "
+                "batch per optimizer step, so the two must be equal. Leave steps_per_generation unset (it defaults to "
+                "gradient_accumulation_steps), or leave teacher_cache_steps=1"
             )
 
     def _count_batches_in_pairs_for_grpo(self) -> int | None:
@@ -457,6 +506,7 @@ class OnPolicyDistillConfig(GRPOConfig):
             "continuation_length": ("signal='continuation'", self.signal == "continuation"),
             "correct_reward": ("skip_correct_rollouts=True", self.skip_correct_rollouts),
             "recheck_fraction": ("skip_correct_rollouts=True", self.skip_correct_rollouts),
+            "teacher_cache_max_staleness": ("teacher_cache_steps > 1", self.teacher_cache_steps > 1),
             "teacher_update_rate": ("teacher_model_kind='ema'", self.teacher_model_kind == "ema"),
             "teacher_prompt_template": ("a teacher_model_kind", self.teacher_model_kind is not None),
             "teacher_model_init_kwargs": ("a teacher loaded from a path or hub id", loads_a_path is not False),
@@ -535,6 +585,49 @@ class OnPolicyDistillConfig(GRPOConfig):
                 "advantage favours). Leave reward_weight=0.0 with skip_correct_rollouts"
             )
 
+    def _check_teacher_cache(self):
+        if self.teacher_cache_steps < 1:
+            raise ValueError(
+                f"teacher_cache_steps must be a number of optimizer steps (1: no cache), got {self.teacher_cache_steps}"
+            )
+        staleness = self.teacher_cache_max_staleness
+        if staleness is not None and not (math.isfinite(staleness) and staleness >= 0):
+            raise ValueError(
+                f"teacher_cache_max_staleness must be a non-negative sampled KL in nats (None: refresh by age only), got "
+                f"{staleness}"
+            )
+        if self.teacher_cache_steps == 1:
+            return
+        refused = {
+            "signal='continuation'": (
+                self.signal == "continuation",
+                "the teacher writes the supervised tokens from a fresh cut of each rollout, which the cache does not "
+                "keep (not supported yet). Use signal='reverse_kl' or 'divergence'",
+            ),
+            "skip_correct_rollouts=True": (
+                self.skip_correct_rollouts,
+                "state selection decides per generation batch which rollouts the teacher scores; combining it with a "
+                "reused batch is not supported yet. Use one lever at a time",
+            ),
+            f"teacher_model_kind={self.teacher_model_kind!r}": (
+                self.teacher_model_kind is not None,
+                "a 'live' or 'ema' self teacher moves with the student, so its cached signal would go stale in a way "
+                "the cache's staleness (the student's own drift) does not measure; 'base' is not supported yet. Use a "
+                "separate teacher",
+            ),
+            "use_vllm=True": (
+                self.use_vllm,
+                "GRPO's vLLM importance-sampling ratio is computed for the policy that sampled the batch only, and "
+                "would be wrong on its reuses. Sample with the trainer's own generate",
+            ),
+        }
+        for setting, (applies, why) in refused.items():
+            if applies:
+                raise ValueError(
+                    f"teacher_cache_steps={self.teacher_cache_steps} with {setting}: {why}, or leave "
+                    "teacher_cache_steps=1"
+                )
+
     def _check_self_teacher_settings(self):
         if self.teacher_model_kind is None:
             return
@@ -608,6 +701,11 @@ class OnPolicyDistillConfig(GRPOConfig):
             raise ValueError(
                 f"skip_correct_rollouts=True: TRL's {config_class.__name__} has the teacher score every rollout; for "
                 "the stock baseline, leave skip_correct_rollouts at False (the run without state selection)"
+            )
+        if self.teacher_cache_steps > 1:
+            raise ValueError(
+                f"teacher_cache_steps={self.teacher_cache_steps}: TRL's {config_class.__name__} samples and scores a new "
+                "batch every step; for the stock baseline, leave teacher_cache_steps at 1 (the run without the cache)"
             )
         stock_fields = {f.name for f in dataclasses.fields(config_class) if f.init} - set(skip)
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in stock_fields}

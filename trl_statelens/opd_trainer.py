@@ -21,6 +21,7 @@ from trl.kernels.chunked_logprob import _use_triton
 from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import pad
 
+from .cache import CACHE_AGE, TeacherCache
 from .collective import gather_counts
 from .grpo_trainer import StateLensGRPOTrainer
 from .heads import (
@@ -179,6 +180,12 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                     "(merge_and_unload) and pass a peft_config for a new one"
                 )
         elif isinstance(teacher_model, dict):
+            if args.teacher_cache_steps > 1:
+                raise ValueError(
+                    f"teacher_cache_steps={args.teacher_cache_steps} with several teachers (a teacher_model dict): the "
+                    "cache keeps a single teacher's signal, several are not supported yet. Give one teacher, or leave "
+                    "teacher_cache_steps=1"
+                )
             if args.teacher_model_server_url is not None:
                 raise ValueError(
                     "teacher_model_server_url serves a single teacher: with several teachers, give each served one's "
@@ -228,6 +235,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
         # (skipped, rechecked, teacher_skipped_tokens), and which generation batch of which step is drawn next
         self._selection_counts, self._selection_batch = [0, 0, 0], (0, 0)
         self._forward_redirection = _ForwardRedirection()
+        # Offline teacher cache (`teacher_cache_steps`, `cache.py`): which optimizer steps reuse the buffered batch
+        self.teacher_cache = TeacherCache(self, LEARNER) if args.teacher_cache_steps > 1 else None
         # Everything the trainer asks of its teacher goes through `self.teacher` (the `teachers` package)
         if args.teacher_model_kind is not None:
             # The student's path, to load its copy again under ZeRO-3 (an instance has none)
@@ -313,6 +322,30 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
                 f"sample new ones for its rest and train some micro-batches twice. Resume from a checkpoint saved at a "
                 f"multiple of {steps} steps (set save_steps to one), or restart the run."
             )
+
+    # ----- the offline teacher cache (`teacher_cache_steps`): reused generation batches -----------------------------
+    def _prepare_inputs(self, generation_batch):
+        """With the teacher cache, at each optimizer step's first micro-batch the cache decides (on every rank alike)
+        whether this step trains on the buffered generation batch again, without sampling or calling the teacher, or
+        GRPO samples and scores a new one; each micro-batch says which (`cache.CACHE_AGE`)."""
+        if self.teacher_cache is None or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        spg = self.args.steps_per_generation
+        if self._step % spg == 0 and self.teacher_cache.serves_from_cache():
+            inputs = self._buffered_inputs[0]
+        else:  # a refresh (GRPO samples: the buffer was dropped), or a later micro-batch of this step
+            inputs = super()._prepare_inputs(generation_batch)
+        inputs[CACHE_AGE] = self.teacher_cache.age
+        return inputs
+
+    def _collect_state_records(self, sample_rate: float, seed: int = 0):
+        """The step's records; with the teacher cache, each sampled sequence says whether it was trained from the
+        cache (`from_cache`) and the cached batch's age (`cache_age`: 0 on a refresh)."""
+        records = super()._collect_state_records(sample_rate, seed=seed)
+        if self.teacher_cache is not None:
+            for sample in records.samples or []:
+                sample.update(from_cache=self.teacher_cache.refreshed is None, cache_age=self.teacher_cache.age)
+        return records
 
     # ----- rollouts: whose states -----------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -445,8 +478,11 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
     def _step_trace(self) -> dict[str, float]:
         """The lever settings the optimizer step ran with, for its ledger line: the rollout `horizon` when one is set;
         with state selection, the rollouts the teacher skipped as correct and rechecked since the last line, and the
-        prompt and completion tokens it did not read (`teacher_skipped_tokens`, all ranks: called on every rank)."""
+        prompt and completion tokens it did not read (`teacher_skipped_tokens`, all ranks: called on every rank); with
+        the teacher cache, whether the step refreshed it and its staleness (`TeacherCache.step_trace`)."""
         trace = {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
+        if self.teacher_cache is not None:
+            trace.update(self.teacher_cache.step_trace())
         if self.args.skip_correct_rollouts:
             counts = self.accelerator.gather(torch.tensor([self._selection_counts], device=self.accelerator.device))
             skipped, rechecked, tokens = counts.sum(0).tolist()
@@ -644,6 +680,8 @@ class OnPolicyDistillTrainer(StateLensGRPOTrainer):
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
+        if self.teacher_cache is not None and self.model.training:  # the staleness of the batch trained on
+            self.teacher_cache.observe(inputs, logps)
         scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
         self._log_teacher_metrics(
             logps.detach(), teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from .callback import StateLoggingCallback, check_no_ledger
-from .compute import ComputeCounter, ledger_totals, tokens_seen
+from .compute import ComputeCounter, cache_counts, ledger_totals, tokens_seen
 from .data import load_gsm8k
 from .evaluation import (
     RETENTION_TASKS,
@@ -343,7 +343,9 @@ def compute_counts(trainer) -> dict:
     tokens = tokens_seen(trainer)
     context = totals.get("teacher_context_tokens", 0.0)
     skipped = totals.get("teacher_skipped_tokens", 0.0)  # rollouts the teacher did not score (state selection)
-    by_part = counter.split(tokens, totals.get("supervised_tokens", 0.0), totals, context, skipped)
+    by_part = counter.split(
+        tokens, totals.get("supervised_tokens", 0.0), totals, context, skipped, cache_counts(totals)
+    )
     per_token, per_supervised = counter.split(1, 0, totals)["total"], counter.split(0, 1, totals)["total"]
     counts = {
         "student_parameters": counter.student,

@@ -85,10 +85,13 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
     teacher_name = line.get("teacher")  # runs with several teachers only
     # State selection (`skip_correct_rollouts`): why the teacher did not score the sequence, or that it rechecked it
     selection = line.get("skipped") or ("recheck" if line.get("recheck") else None)
+    # Offline teacher cache (`teacher_cache_steps`): trained from a reused batch, and that batch's age in steps
+    cache_age = line.get("cache_age") if line.get("from_cache") else None
     return {
         "r": run_index,
         "te": teacher_name if isinstance(teacher_name, str) else None,
         "sk": selection if isinstance(selection, str) else None,
+        "ca": cache_age if isinstance(cache_age, int) else None,
         "s": int(line.get("step", 0)),
         "src": STATE_SOURCES.index(source) if source in STATE_SOURCES else -1,
         "rw": float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None,
@@ -275,7 +278,7 @@ label { margin-right: .6em; white-space: nowrap; }
 .seq-head { font-size: .8em; color: #444; margin-bottom: .3em; }
 .seq-head b { color: #000; }
 .badge { display: inline-block; padding: 0 .4em; border-radius: 3px; color: #fff; font-size: .9em; }
-.badge.skipped { background: #777; } .badge.recheck { background: #b8860b; }
+.badge.cached { background: #4a6fa5; } .badge.skipped { background: #777; } .badge.recheck { background: #b8860b; }
 .seq.skipped { border-style: dashed; background: #f6f6f6; } .seq.skipped .completion { opacity: .45; text-decoration: line-through; }
 .text { font-family: ui-monospace, monospace; font-size: .85em; white-space: pre-wrap; word-break: break-word;
   line-height: 1.6; }
@@ -498,6 +501,8 @@ function renderSequence(seq, index) {
     (!seq.sk ? "" : seq.sk === "recheck"
       ? `<span class="badge recheck" title="correct, scored anyway (recheck_fraction)">recheck</span> · `
       : `<span class="badge skipped" title="not scored by the teacher; weight 0">skipped: ${escapeHtml(seq.sk)}</span> · `) +
+    (seq.ca === null || seq.ca === undefined ? "" : `<span class="badge cached" title="trained from the teacher cache: ` +
+      `rollouts and teacher signal sampled ${seq.ca} step(s) earlier">from cache, age ${seq.ca}</span> · `) +
     (seq.sk && seq.sk !== "recheck" ? `${seq.lp.length} tokens, not supervised` : `${seq.lp.length} supervised tokens`) +
     ` · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
     `teacher KL ${fmt(seq.kl)}`;

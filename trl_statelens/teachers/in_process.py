@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
+from ..cache import CACHE_AGE, TEACHER_HIDDEN
 from ..callback import trainer_generation_config
 from ..collective import agreed_calls, agreed_chunks
 from ..heads import Divergence, _completion_hidden_states, divergence_and_token_logps
@@ -128,7 +129,12 @@ class InProcessTeacher(Teacher):
         `DistillationTrainer` runs it; ZeRO-3-sharded heads gathered once each way), from the teacher's hidden states
         of the same tokens, with the per-token log-probs and entropies from the same pass
         ([`divergence_and_token_logps`]): one call on every rank while any rank has rows, a rank without rows on a
-        stand-in row that supervises nothing."""
+        stand-in row that supervises nothing.
+
+        With the teacher cache (`cache.py`), a micro-batch's first pass keeps the teacher's hidden states in the batch
+        and its reuses project those with the teacher's output layer, without the teacher's forward (on every rank
+        alike: the cache decides the same everywhere)."""
+        cached, age = batch, batch.get(CACHE_AGE)  # age: None without the cache, 0 on its refresh
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         if not agreed_calls(self.trainer.accelerator, min(num_rows, 1)):
@@ -142,10 +148,15 @@ class InProcessTeacher(Teacher):
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         num_completion = batch["completion_ids"].size(1)
         teacher = trainer.accelerator.unwrap_model(self.model)
-        with torch.no_grad():
-            teacher_hidden = trainer._forward_redirection(
-                self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
-            )
+        if age:  # a reuse: the refresh's hidden states (a stand-in row's included)
+            teacher_hidden = cached[TEACHER_HIDDEN]
+        else:
+            with torch.no_grad():
+                teacher_hidden = trainer._forward_redirection(
+                    self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
+                )
+            if age == 0:
+                cached[TEACHER_HIDDEN] = teacher_hidden
         # The loss and the records' per-token values (both models' token log-probs, the student's entropy) in one
         # pass over the vocabulary
         out = divergence_and_token_logps(

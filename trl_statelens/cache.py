@@ -1,0 +1,152 @@
+"""Offline teacher cache (issue 36, `teacher_cache_steps`): a generation batch and the teacher's signal on it reused
+for several optimizer steps.
+
+With `teacher_cache_steps=K > 1`, [`OnPolicyDistillTrainer`] samples a generation batch and has the teacher score it
+(a *refresh*), then trains on the same micro-batches for up to `K` optimizer steps without sampling or asking the
+teacher again: `reverse_kl` reuses the per-token teacher log-probs `teacher.score` returned (in-process or served),
+a served teacher's `divergence` its top-k rows, and an in-process teacher's `divergence` the teacher's final hidden
+states at the completion positions, kept by the first pass's loss ([`InProcessTeacher.divergence_loss`]); on a
+reused step only the teacher's output layer projects them again (the kernel never holds the `(B, T, V)` logits).
+
+The cache is refreshed early when the student has moved too far from the policy that sampled it: the *staleness*,
+a sampled estimate of KL(p_sampling || p_current) over the cached rollouts' sampled completion tokens, is measured
+before each reuse with a no-grad forward of the current student, summed over every rank (so every rank decides
+alike), and a value above `teacher_cache_max_staleness` refreshes. The estimate is the mean of
+`r - 1 - log r` with `r = p_current / p_sampling` at each token (Schulman's k3: non-negative at every token, 0 only
+where the token's probability did not move), not the plain mean of `log p_sampling - log p_current` (k1, also logged
+as `teacher_cache/log_ratio`): the student trains on these very tokens, which raises their probability, so k1 goes
+negative as the student moves (measured on the lab: -0.01 to -0.02 after two steps of `reverse_kl`), where k3 grows. The sampling
+log-probs are the refresh step's own loss forward (the policy that sampled the batch, before its update): no extra
+forward. A resumed run holds no cache (GRPO keeps its generation batch in memory only): its first step refreshes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CACHE_AGE = "teacher_cache_age"  # in each micro-batch the cache serves: 0 on a refresh, n on its n-th reuse
+SAMPLING_LOGPS = "teacher_cache_sampling_logps"  # the sampling policy's log-probs of the completion tokens (B, T)
+TEACHER_HIDDEN = "teacher_cache_teacher_hidden"  # an in-process teacher's final hidden states, kept for `divergence`
+REFRESH_REASONS = ("first", "age", "staleness")
+
+
+def staleness_terms(sampling_logps, logps, mask) -> torch.Tensor:
+    """`[sum of k3, sum of k1, number of tokens]` over the tokens where `mask` is non-zero: with `log r = log
+    p_current - log p_sampling` at each token, k3 = `r - 1 - log r` (the staleness) and k1 = `-log r`."""
+    mask = mask.float()
+    log_ratio = (logps.detach().float() - sampling_logps.float()) * mask
+    k3 = (torch.expm1(log_ratio) - log_ratio) * mask
+    return torch.stack([k3.sum(), -log_ratio.sum(), mask.sum()])
+
+
+def staleness_mask(inputs: dict, learner_code: int) -> torch.Tensor:
+    """The tokens the staleness averages over: completion tokens the student sampled itself (not a `dataset`
+    reference or a `teacher` rollout, nor a tool's output)."""
+    mask = inputs["completion_mask"] * (inputs["row_source"] == learner_code)[:, None]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
+class TeacherCache:
+    """Decides at each optimizer step's first micro-batch whether the trainer reuses its buffered generation batch
+    (`GRPOTrainer._buffered_inputs`) or refreshes it, and keeps the step's account for the ledger ([`step_trace`]).
+
+    Every rank makes the same decision: the age is the same everywhere, and the staleness is summed over the ranks
+    before it is compared.
+    """
+
+    def __init__(self, trainer, learner_code: int):
+        self.trainer, self.learner_code = trainer, learner_code
+        args = trainer.args
+        self.steps, self.max_staleness = args.teacher_cache_steps, args.teacher_cache_max_staleness
+        self.age: int | None = None  # of the buffered batch; None: no batch yet (a new or resumed run)
+        self.refreshed: str | None = None  # why this step refreshed (`REFRESH_REASONS`), None when it reused
+        self.measured: float | None = None  # the staleness measured before this step's decision (all ranks)
+        # k3 and k1 sums and their tokens (all ranks); reused, reused completion and checked tokens (this rank's)
+        self._step_sums = torch.zeros(6)
+
+    def serves_from_cache(self) -> bool:
+        """At a step's first micro-batch (GRPO's `_step` at a generation boundary): whether the buffered batch is
+        reused, else it is dropped so that GRPO samples and scores a new one. Called on every rank."""
+        trainer = self.trainer
+        self.measured = None
+        if self.age is None or trainer._buffered_inputs is None:
+            reason = "first"
+        elif self.age + 1 >= self.steps:
+            reason = "age"
+        else:
+            reason = None
+            if self.max_staleness is not None:
+                self.measured = self._measure_staleness()
+                if self.measured > self.max_staleness:
+                    reason = "staleness"
+        self.refreshed = reason
+        if reason is None:
+            self.age += 1
+            return True
+        self.age = 0
+        trainer._buffered_inputs = None
+        return False
+
+    @torch.no_grad()
+    def _measure_staleness(self) -> float:
+        """The staleness of the buffered batch under the current student (a no-grad forward over each micro-batch,
+        on every rank: each rank holds as many), summed over the ranks."""
+        trainer = self.trainer
+        sums = torch.zeros(3, device=trainer.accelerator.device)
+        checked = 0
+        for inputs in trainer._buffered_inputs:
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
+            )
+            sums += staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, self.learner_code))
+            checked += int(attention_mask.sum())
+        self._step_sums[5] += checked  # this rank's: the ledger gathers them
+        k3, _, count = trainer.accelerator.gather(sums[None]).sum(0).tolist()
+        return k3 / count if count else 0.0
+
+    def observe(self, inputs: dict, logps: torch.Tensor) -> None:
+        """In the loss of a training micro-batch, with the student's log-probs of its completion tokens from the
+        loss's own forward: on a refresh they are the sampling policy's, kept in the batch for the later reuses (the
+        staleness is 0 there by definition); on a reuse, the staleness of this micro-batch is added to the step's and
+        logged (`teacher_cache/staleness`, all ranks), and its tokens counted as reused."""
+        trainer = self.trainer
+        if inputs[CACHE_AGE] == 0:
+            inputs[SAMPLING_LOGPS] = logps.detach()
+        terms = staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, self.learner_code))
+        k3, k1, count = trainer.accelerator.gather(terms.to(trainer.accelerator.device)[None]).sum(0).tolist()
+        self._step_sums[:3] += torch.tensor([k3, k1, count])
+        trainer._metrics["train"]["teacher_cache/staleness"].append(k3 / count if count else 0.0)
+        trainer._metrics["train"]["teacher_cache/log_ratio"].append(k1 / count if count else 0.0)
+        if inputs[CACHE_AGE] > 0:
+            prompt, completion = int(inputs["prompt_mask"].sum()), int(inputs["completion_mask"].sum())
+            self._step_sums[3:5] += torch.tensor([prompt + completion, completion])
+
+    def step_trace(self) -> dict:
+        """The optimizer step's ledger fields (on every rank: the token counts are gathered): `cache_age` (0 on a
+        refresh), `refreshed` (`"first"`, `"age"`, `"staleness"`, or `None` for a step served from the cache),
+        `teacher_cache/staleness` (of the batch trained on, all ranks; 0 on a refresh) and its k1 `teacher_cache/log_ratio`,
+        `teacher_cache/measured`
+        (the staleness measured before the decision, with `teacher_cache_max_staleness`: on a staleness refresh, the
+        value that triggered it), and the counts the FLOPs read: `cache_reused_tokens` (the prompt and completion tokens
+        trained from the cache, all ranks), `cache_reused_completion_tokens` and `cache_checked_tokens` (those the
+        staleness check's forward read)."""
+        device = self.trainer.accelerator.device
+        local = self._step_sums.clone()
+        local[:3] = 0  # already summed over the ranks
+        gathered = self.trainer.accelerator.gather(local.to(device)[None]).sum(0).tolist()
+        k3, k1, count = self._step_sums[:3].tolist()
+        self._step_sums = torch.zeros(6)
+        trace = {
+            "cache_age": self.age,
+            "refreshed": self.refreshed,
+            "teacher_cache/staleness": k3 / count if count else 0.0,
+            "teacher_cache/log_ratio": k1 / count if count else 0.0,
+            "cache_reused_tokens": gathered[3],
+            "cache_reused_completion_tokens": gathered[4],
+            "cache_checked_tokens": gathered[5],
+        }
+        if self.measured is not None:
+            trace["teacher_cache/measured"] = self.measured
+        return trace
