@@ -292,3 +292,8 @@ def test_zero3_ranks_make_the_same_refresh_decisions(tmp_path, student_path, tea
         assert runs[0]["teacher_forwards"] == runs[1]["teacher_forwards"] == refreshed  # one chunk of 2 rows a time
         steps = read(tmp_path / signal / "statelens" / "steps.jsonl")
         assert [line["refreshed"] for line in steps] == refreshes
+
+
+def test_reverse_kl_with_the_cache_warns_of_its_stale_policy_gradient(tmp_path):
+    with pytest.warns(UserWarning, match="no importance ratio"):
+        cache_config(tmp_path, signal="reverse_kl")
