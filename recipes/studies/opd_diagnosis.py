@@ -71,6 +71,15 @@ BUDGET_ARMS = {
     "budget_prog16": [*ARMS["divergence_g1"], "--horizon", "16", "--horizon_growth", "1"],
     # amendment 1: state selection, the rollouts the student already answers right not scored (a tenth rechecked)
     "budget_skip_correct": [*ARMS["divergence_g1"], "--skip_correct_rollouts", "true", "--recheck_fraction", "0.1"],
+    # amendment 2: the offline cache, each batch and its teacher signal reused for 4 steps, by age or on staleness
+    "budget_cache4": [*ARMS["divergence_g1"], "--teacher_cache_steps", "4"],
+    "budget_cache4_s03": [
+        *ARMS["divergence_g1"],
+        "--teacher_cache_steps",
+        "4",
+        "--teacher_cache_max_staleness",
+        "0.03",
+    ],
 }
 BUDGET_REFERENCE, BUDGET_STEPS, BUDGET_MARGIN = "budget_plain", 75, 0.02
 # The pre-registered candidates for passing a degraded teacher (issue 35, STUDY.md), run with the stress teacher after
