@@ -168,8 +168,8 @@ def main():
     print(f"all arms done in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
     report = write_report([out / arm for arm in args.arms], out / "report")
     print(f"report: {report}")
-    if all(arm in BUDGET_ARMS for arm in args.arms):
-        reach(out, args.arms)
+    if all(arm in BUDGET_ARMS for arm in args.arms):  # read against every finished arm, plain's run included
+        reach(out, [arm for arm in BUDGET_ARMS if (out / arm / "results.json").exists()])
     else:
         choose(out, args.arms, args.tolerance, against_teacher=all(arm in DEGRADED_ARMS for arm in args.arms))
 
