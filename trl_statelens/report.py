@@ -851,22 +851,27 @@ def compute_curve(run: Run, base_scores: dict | None = None) -> tuple[np.ndarray
     return flops, scores
 
 
-def plot_compute(runs, styles, out_dir, base_scores: dict | None = None) -> Path | None:
-    curves = {run.label: c for run in runs if (c := compute_curve(run, base_scores)) is not None}
+def plot_target_against(curves: dict, styles, out_dir, xlabel: str, title: str, name: str) -> Path | None:
+    """Each run's target score (y) against what it had spent so far (x): `curves` maps a run's label to (x, scores)."""
     if not curves:
         return None
     figure, (ax,) = new_figure()
-    for label, (flops, scores) in curves.items():
+    for label, (spent, scores) in curves.items():
         style = styles[label]
-        ax.plot(flops, scores, color=style["color"], label=label, linewidth=style["width"],
+        ax.plot(spent, scores, color=style["color"], label=label, linewidth=style["width"],
                 marker=style["marker"], markersize=2.5 * style["width"])  # fmt: skip
-    ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    ax.set_xlabel("training FLOPs so far (student and teacher, generation included)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
-    ax.set_title("Target score vs training compute (up and left is better)")
+    ax.set_title(f"{title} (up and left is better)")
     ax.margins(y=0.1)
     finish_legend(ax)
-    return save(figure, out_dir, "compute.png")
+    return save(figure, out_dir, name)
+
+
+def plot_compute(runs, styles, out_dir, base_scores: dict | None = None) -> Path | None:
+    curves = {run.label: c for run in runs if (c := compute_curve(run, base_scores)) is not None}
+    xlabel = "training FLOPs so far (student and teacher, generation included)"
+    return plot_target_against(curves, styles, out_dir, xlabel, "Target score vs training compute", "compute.png")
 
 
 def teacher_tokens_curve(run: Run, base_scores: dict | None = None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -887,19 +892,8 @@ def teacher_tokens_curve(run: Run, base_scores: dict | None = None) -> tuple[np.
 
 def plot_teacher_tokens(runs, styles, out_dir, base_scores: dict | None = None) -> Path | None:
     curves = {run.label: c for run in runs if (c := teacher_tokens_curve(run, base_scores)) is not None}
-    if not curves:
-        return None
-    figure, (ax,) = new_figure()
-    for label, (tokens, scores) in curves.items():
-        style = styles[label]
-        ax.plot(tokens, scores, color=style["color"], label=label, linewidth=style["width"],
-                marker=style["marker"], markersize=2.5 * style["width"])  # fmt: skip
-    ax.set_xlabel("teacher tokens so far (ledger teacher_tokens_total: positions a teacher scored or wrote)")
-    ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
-    ax.set_title("Target score vs teacher tokens (up and left is better)")
-    ax.margins(y=0.1)
-    finish_legend(ax)
-    return save(figure, out_dir, "teacher_tokens.png")
+    xlabel = "teacher tokens so far (ledger teacher_tokens_total: positions a teacher scored or wrote)"
+    return plot_target_against(curves, styles, out_dir, xlabel, "Target score vs teacher tokens", "teacher_tokens.png")
 
 
 def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
@@ -1022,19 +1016,9 @@ def plot_reward_signal(runs, styles, out_dir) -> Path | None:
 
 def plot_sample_efficiency(runs, styles, out_dir, base_scores: dict | None) -> Path | None:
     curves = {run.label: c for run in runs if (c := sample_efficiency_curve(run, base_scores)) is not None}
-    if not curves:
-        return None
-    figure, (ax,) = new_figure()
-    for label, (tokens, scores) in curves.items():
-        style = styles[label]
-        ax.plot(tokens, scores, color=style["color"], label=label, linewidth=style["width"], marker=style["marker"],
-                markersize=2.5 * style["width"])  # fmt: skip
-    ax.set_xlabel("supervised tokens so far (ledger supervised_tokens, all ranks)")
-    ax.set_ylabel(f"{SCORE_COLUMNS[TARGET_TASK]} accuracy (target)")
-    ax.set_title("Sample efficiency: target score vs supervised tokens (up and left is better)")
-    ax.margins(y=0.1)
-    finish_legend(ax)
-    return save(figure, out_dir, "sample_efficiency.png")
+    xlabel = "supervised tokens so far (ledger supervised_tokens, all ranks)"
+    title = "Sample efficiency: target score vs supervised tokens"
+    return plot_target_against(curves, styles, out_dir, xlabel, title, "sample_efficiency.png")
 
 
 def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> list[Block]:
