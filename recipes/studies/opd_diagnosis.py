@@ -25,6 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from self_distill_study import smoothed as smooth
+
 from trl_statelens.report import load_run, target_scores_during, training_flops, write_report
 
 RECIPES = Path(__file__).resolve().parents[1]
@@ -86,7 +88,7 @@ BUDGET_REFERENCE, BUDGET_STEPS, BUDGET_MARGIN = "budget_plain", 75, 0.02
 # `--`: the look's setting that does not pull the student on rollouts it gets right, and the teacher's advantage plus
 # GRPO's reward advantage (8 prompts x 4 rollouts, the same 32 rollouts a step)
 DEGRADED_ARMS = {
-    "degraded_skip_correct": [*ARMS["divergence_g1"], "--skip_correct_rollouts", "true", "--recheck_fraction", "0.1"],
+    "degraded_skip_correct": BUDGET_ARMS["budget_skip_correct"],
     "degraded_reward_rkl": ["--signal", "reverse_kl", "--num_generations", "4", "--reward_weight", "1.0",
                             "--max_steps", "150"],
 }  # fmt: skip
@@ -174,12 +176,14 @@ def main():
         choose(out, args.arms, args.tolerance, against_teacher=all(arm in DEGRADED_ARMS for arm in args.arms))
 
 
-def smoothed_dev_curve(run) -> tuple[list[int], list[float], list[float]]:
+def smoothed_dev_curve(run, trained_only: bool = False) -> tuple[list[int], list[float], list[float | None]]:
     """(steps, dev scores, smoothed dev scores) of a run scored during training, step 0 the `before` score; smoothed:
-    the mean of a score and its neighbouring evaluations (STUDY.md)."""
+    the mean of a score and its neighbouring evaluations (STUDY.md). With `trained_only` the `before` score is left out
+    of the smoothing (its own smoothed value is None): the base's score is not the student's."""
     steps, scores = target_scores_during(run, "accuracy_strict")
-    smoothed = [float(scores[max(i - 1, 0) : i + 2].mean()) for i in range(len(scores))]
-    return [int(s) for s in steps], [float(s) for s in scores], smoothed
+    curve = {int(s): float(v) for s, v in zip(steps, scores) if s > 0 or not trained_only}
+    smoothed = smooth(curve)
+    return [int(s) for s in steps], [float(s) for s in scores], [smoothed.get(int(s)) for s in steps]
 
 
 def reach(out: Path, arms: list[str]) -> dict:
@@ -269,15 +273,10 @@ def choose(out: Path, arms: list[str], tolerance: float, against_teacher: bool =
     rows, base = [], None
     for arm in arms:
         run = load_run(out / arm)
-        steps, scores, smoothed = smoothed_dev_curve(run)  # step 0: the `before` evaluation
+        # step 0: the `before` evaluation, left out of the smoothing when the student is judged against its teacher
+        steps, scores, smoothed = smoothed_dev_curve(run, trained_only=against_teacher)
         if against_teacher:
             base = json.loads((out / arm / "eval" / "teacher.json").read_text())["metrics"]["gsm8k"]["accuracy_strict"]
-            # the base's own score is not the student's: smooth over the evaluations during training only
-            trained = [i for i, step in enumerate(steps) if step > 0]
-            smoothed = [None] * (len(steps) - len(trained)) + [
-                sum(scores[j] for j in trained[max(k - 1, 0) : k + 2]) / len(trained[max(k - 1, 0) : k + 2])
-                for k in range(len(trained))
-            ]
         elif steps[0] == 0:
             base = scores[0]
         flops = training_flops(run, steps)
