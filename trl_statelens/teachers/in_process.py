@@ -134,7 +134,9 @@ class InProcessTeacher(Teacher):
         With the teacher cache (`cache.py`), a micro-batch's first pass keeps the teacher's hidden states in the batch
         and its reuses project those with the teacher's output layer, without the teacher's forward (on every rank
         alike: the cache decides the same everywhere)."""
-        cached, age = batch, batch.get(CACHE_AGE)  # age: None without the cache, 0 on its refresh
+        # The micro-batch the cache keeps its hidden states in (`batch` may become a stand-in row below); age: None
+        # without the cache, 0 on its refresh
+        cached, age = batch, batch.get(CACHE_AGE)
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         if not agreed_calls(self.trainer.accelerator, min(num_rows, 1)):
