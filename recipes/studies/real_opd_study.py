@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens.data import chat_prompt
 from trl_statelens.evaluation import evaluate_model, paired_interval
+from trl_statelens.evaluation.answer_shape import clean_format, repeats_itself
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
 from trl_statelens.runs import resolve_model
@@ -312,14 +313,17 @@ def reference_nll(model_path: str, folder: Path, smoke: bool) -> dict[str, float
 
 
 def arm_scores(items: Path, nll: dict | None) -> dict[str, dict[str, float]]:
-    """Per-item scores of one model from its `.items.jsonl`, read once: `{metric: {question: score}}`. `repeats`
-    (exploratory, added after the dev phase showed it): the answer holds more than one `####` line."""
+    """Per-item scores of one model from its `.items.jsonl`, read once: `{metric: {question: score}}`. `format` is
+    the pre-registered metric (a `#### N` anywhere); `clean` and `repeats` are its guards, defined in
+    `trl_statelens.evaluation.answer_shape` (one `#### N` line and nothing after it; a loop). Both were added after
+    the runs (the first `repeats` counted only a second `####`; the 2026-12-04 correction in STUDY.md)."""
     lines = [json.loads(line) for line in items.read_text().splitlines()]
     gsm8k = [line for line in lines if line["task"] == "gsm8k"]
     truthfulqa = [line for line in lines if line["task"] == "truthfulqa"]
     scores = {
         "format": {x["question"]: float(x["strict"] is not None) for x in gsm8k},
-        "repeats": {x["question"]: float(x["output"].count("####") > 1) for x in gsm8k},
+        "clean": {x["question"]: float(clean_format(x["output"])) for x in gsm8k},
+        "repeats": {x["question"]: float(repeats_itself(x["output"])) for x in gsm8k},
         "strict": {x["question"]: float(x["correct_strict"]) for x in gsm8k},
         "flexible": {x["question"]: float(x["correct_flexible"]) for x in gsm8k},
     }

@@ -15,6 +15,7 @@ from ..answers import (
     lm_eval_extract,
 )
 from ..data import GSM8K_HUB_ID, PROMPT_FORMATS, gsm8k_example, pick_shots, read_gsm8k_rows, shots_for
+from .answer_shape import clean_format, repeats_itself
 from .protocols import SUBSET_RULES, check_protocol
 from .scoring import greedy_generate, mean, model_device, subset_rows
 
@@ -194,6 +195,9 @@ class GSM8KTask:
                 record[mode] = extract_answer(output, mode)
                 record[f"correct_{mode}"] = answers_match(record[mode], example["ground_truth"])
         record["answer_found"] = record["strict"] not in (None, LM_EVAL_INVALID)
+        # The guards beside answer_found, which a looping answer also satisfies (answer_shape's docstring).
+        record["clean_format"] = clean_format(output)
+        record["repeats"] = repeats_itself(output)
         return record
 
     def evaluate(self, model, tokenizer, progress: bool = True) -> dict:
@@ -204,7 +208,8 @@ class GSM8KTask:
             for e, output in zip(examples, outputs)
         ]
         metrics = {f"accuracy_{mode}": mean([r[f"correct_{mode}"] for r in records]) for mode in EXTRACTION_MODES}
-        metrics["answer_found"] = mean([r["answer_found"] for r in records])
+        for shape in ("answer_found", "clean_format", "repeats"):
+            metrics[shape] = mean([r[shape] for r in records])
         metrics["num_items"] = len(records)
         if self.num_samples:
             metrics["accuracy_sampled"] = self._sampled_accuracy(model, tokenizer, examples, progress)
