@@ -1,0 +1,301 @@
+"""A teacher whose tokenizer differs from the student's: its signal carried onto the student's tokens, exactly where
+the two tokenizations allow it, with what cannot be carried exactly said, never hidden (issue 45).
+
+Both tokenizers spell the same text as bytes (`byte_vocab.py`), cut at different places. Offsets count bytes, and a
+special token (which spells none) as one unit; a place where both cut is a shared boundary.
+
+- The teacher's log-prob of each student token ([`align_token_ids`], [`student_token_teacher_logprobs`]): a student
+  token that starts and ends on teacher boundaries is `EXACT`: its log-prob is the sum of those of the teacher tokens
+  that spell exactly its bytes ("1234" against "1","2","3","4"). Any other student token lies in a chunk, the
+  smallest run of student tokens that starts and ends on shared boundaries: the teacher's log-prob of the run's bytes
+  (the sum over its teacher tokens) goes to the run's last token (`CHUNK_END`), and the others get 0
+  (`CHUNK_INSIDE`), so that a loss summing the student's log-probs over a chunk compares like with like.
+- The teacher's next-token distribution at a synchronised position (both tokenizations cut there) over the student's
+  vocabulary ([`next_token_map`], [`map_next_token_distribution`]): each teacher token's mass goes to the longest
+  student token its bytes start with, and mass that reaches no student token is reported as `leftover`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+
+from .byte_vocab import ByteVocabulary, special_token_map, unmapped_special_message
+
+
+class TeacherSignal(IntEnum):
+    """How a student token's teacher log-prob was obtained (see the module docstring)."""
+
+    EXACT = 0  # its own bytes, summed over the teacher tokens that spell exactly them
+    CHUNK_END = 1  # the last token of a chunk: the teacher's log-prob of the whole chunk
+    CHUNK_INSIDE = 2  # an earlier token of a chunk: 0, its part is on the chunk's last token
+
+
+@dataclass(frozen=True)
+class TokenAlignment:
+    """One text as tokenized by the student and by the teacher. `*_boundaries` are the offsets of every token boundary
+    (`n + 1` of them, from 0 to the text's length); `*_chunk` is each token's chunk (tokens between two consecutive
+    shared boundaries); `signal` is each student token's [`TeacherSignal`]; `synchronised` pairs (student index,
+    teacher index) of the tokens that start each chunk: there both tokenizations cut, so the teacher's next-token
+    distribution for its token maps onto the student's for its token ([`map_next_token_distribution`])."""
+
+    student_boundaries: torch.Tensor
+    teacher_boundaries: torch.Tensor
+    student_chunk: torch.Tensor
+    teacher_chunk: torch.Tensor
+    signal: torch.Tensor
+    synchronised: torch.Tensor
+
+    @property
+    def exact_share(self) -> float:
+        """The share of student tokens whose teacher log-prob is `EXACT` (1.0 for an empty text)."""
+        return (self.signal == TeacherSignal.EXACT).float().mean().item() if len(self.signal) else 1.0
+
+
+def spelled_units(ids, vocab: ByteVocabulary, specials: dict[int, int] | None, other: ByteVocabulary) -> list:
+    """Each token of `ids` as its bytes, or a special token as the id it stands for on the teacher's side (`specials`
+    maps the student's; `None` keeps the teacher's own)."""
+    units = []
+    for token_id in ids:
+        if not 0 <= token_id < len(vocab) or (vocab.token_bytes[token_id] is None and token_id not in vocab.roles):
+            raise ValueError(
+                f"id {token_id} is no token of tokenizer {vocab.name!r} (its vocabulary has {len(vocab)})"
+            )
+        spelled = vocab.token_bytes[token_id]
+        if spelled == b"":
+            raise ValueError(f"token {token_id} of tokenizer {vocab.name!r} spells no bytes: it cannot be aligned")
+        if spelled is not None:
+            units.append(spelled)
+        elif specials is None:
+            units.append(token_id)
+        elif token_id in specials:
+            units.append(specials[token_id])
+        else:
+            raise ValueError(unmapped_special_message(vocab, other, token_id))
+    return units
+
+
+def stream_pieces(units: list) -> list:
+    """The units with consecutive bytes joined: equal for two tokenizations of one text."""
+    pieces: list = []
+    for unit in units:
+        if isinstance(unit, bytes) and pieces and isinstance(pieces[-1], bytes):
+            pieces[-1] += unit
+        else:
+            pieces.append(unit)
+    return pieces
+
+
+def first_difference(student_units: list, teacher_units: list, teacher_vocab: ByteVocabulary) -> str:
+    """Where the two spellings part, for the error message: the offset and a few units of each side from there."""
+
+    def symbols(units):
+        flat = []
+        for unit in units:
+            flat.extend(unit if isinstance(unit, bytes) else [teacher_vocab.special_contents.get(unit, unit)])
+        return flat
+
+    student, teacher = symbols(student_units), symbols(teacher_units)
+    offset = next((i for i, (a, b) in enumerate(zip(student, teacher)) if a != b), min(len(student), len(teacher)))
+
+    def shown(flat):
+        text = "".join(
+            chr(s) if isinstance(s, int) and 32 <= s < 127 else (f"\\x{s:02x}" if isinstance(s, int) else s)
+            for s in flat[offset : offset + 24]
+        )
+        return repr(text) if text else "the end"
+
+    return f"offset {offset}: the student's text has {shown(student)}, the teacher's {shown(teacher)}"
+
+
+def align_token_ids(
+    student_ids, teacher_ids, student_vocab: ByteVocabulary, teacher_vocab: ByteVocabulary
+) -> TokenAlignment:
+    """The [`TokenAlignment`] of one text tokenized by the student (`student_ids`) and by the teacher
+    (`teacher_ids`). Both must spell the same bytes, and the same special tokens by role at the same places: a
+    ValueError says where they part, and names a special token that has no counterpart."""
+    student_ids, teacher_ids = [int(i) for i in student_ids], [int(i) for i in teacher_ids]
+    specials = special_token_map(student_vocab, teacher_vocab)
+    student_units = spelled_units(student_ids, student_vocab, specials, teacher_vocab)
+    teacher_units = spelled_units(teacher_ids, teacher_vocab, None, student_vocab)
+    if stream_pieces(student_units) != stream_pieces(teacher_units):
+        raise ValueError(
+            f"the student's tokens ({student_vocab.name!r}) and the teacher's ({teacher_vocab.name!r}) do not spell the "
+            f"same text; they part at {first_difference(student_units, teacher_units, teacher_vocab)}. Tokenize one "
+            "text with both tokenizers, with the same special tokens (each in a role both have), and without "
+            "special tokens that only one side adds (pass add_special_tokens=False). A tokenizer that rewrites "
+            "text (adds a prefix space, normalises Unicode) spells other bytes than the text's: it cannot be aligned"
+        )
+    student_boundaries = boundaries(student_units)
+    teacher_boundaries = boundaries(teacher_units)
+    starts_shared = torch.isin(student_boundaries[:-1], teacher_boundaries)
+    ends_shared = torch.isin(student_boundaries[1:], teacher_boundaries)
+    signal = torch.full_like(student_boundaries[1:], TeacherSignal.CHUNK_INSIDE)
+    signal[ends_shared] = TeacherSignal.CHUNK_END
+    signal[starts_shared & ends_shared] = TeacherSignal.EXACT
+    teacher_starts_shared = torch.isin(teacher_boundaries[:-1], student_boundaries)
+    synchronised = torch.stack([starts_shared.nonzero()[:, 0], teacher_starts_shared.nonzero()[:, 0]], dim=1)
+    return TokenAlignment(
+        student_boundaries=student_boundaries,
+        teacher_boundaries=teacher_boundaries,
+        student_chunk=starts_shared.long().cumsum(0) - 1,
+        teacher_chunk=teacher_starts_shared.long().cumsum(0) - 1,
+        signal=signal,
+        synchronised=synchronised,
+    )
+
+
+def boundaries(units: list) -> torch.Tensor:
+    """The offsets of every boundary of a tokenization: 0, then the end of each token."""
+    lengths = torch.tensor([len(unit) if isinstance(unit, bytes) else 1 for unit in units], dtype=torch.long)
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
+def student_token_teacher_logprobs(
+    alignment: TokenAlignment, teacher_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's per-token log-probs `(n_teacher,)` carried onto the student's tokens: `(values, signal)`, both
+    `(n_student,)`. An `EXACT` token gets the sum over the teacher tokens that spell exactly its bytes; a chunk's last
+    token (`CHUNK_END`) the sum over the chunk, its other tokens (`CHUNK_INSIDE`) 0."""
+    n_teacher = len(alignment.teacher_chunk)
+    if teacher_logprobs.shape != (n_teacher,):
+        raise ValueError(
+            f"teacher_logprobs has shape {tuple(teacher_logprobs.shape)}, but the alignment has {n_teacher} teacher "
+            "tokens: pass one log-prob per teacher token of the aligned text, for one text at a time"
+        )
+    device = teacher_logprobs.device
+    n_chunks = len(alignment.synchronised)
+    chunk_sums = teacher_logprobs.new_zeros(n_chunks).index_add_(
+        0, alignment.teacher_chunk.to(device), teacher_logprobs
+    )
+    signal = alignment.signal.to(device)
+    values = chunk_sums[alignment.student_chunk.to(device)].masked_fill(signal == TeacherSignal.CHUNK_INSIDE, 0.0)
+    return values, signal
+
+
+@dataclass(frozen=True)
+class NextTokenMap:
+    """Index tables, built once per tokenizer pair ([`next_token_map`]), that carry a teacher next-token distribution
+    onto the student's vocabulary. `student_of_teacher` `(V_teacher,)`: the student token each teacher token's mass
+    goes to (the longest whose bytes start the teacher token's; a special token's counterpart by role), -1 for
+    leftover. `prefix_pairs` `(2, n)`: student pairs (v, w) where v's bytes start w's. `proper_prefix_pairs` `(2, n)`:
+    (student v, teacher t) where t's bytes are a proper prefix of v's."""
+
+    student_of_teacher: torch.Tensor
+    prefix_pairs: torch.Tensor
+    proper_prefix_pairs: torch.Tensor
+    student_size: int
+    teacher_size: int
+
+
+class MappedDistribution(NamedTuple):
+    """A teacher next-token distribution over the student's vocabulary, at a synchronised position.
+
+    - `student_probs` `(..., V_student)`: the teacher mass whose first student token is v (each teacher token's mass
+      on the longest student token its bytes start with); it sums with `leftover` to the teacher's total, and is the
+      teacher distribution itself when both tokenizers are one.
+    - `leftover` `(...)`: the mass that reaches no student token (a teacher special token without a counterpart, a
+      teacher token starting with a byte the student cannot spell, rows past the teacher's tokenizer).
+    - `prefix_mass` `(..., V_student)`: the mass of teacher tokens whose bytes start with v's. The teacher's
+      probability that the text goes on with v's bytes is at least this and at most `prefix_mass + unresolved_mass`,
+      so it is exact where `unresolved_mass` is 0 (always, for a one-byte or special v).
+    - `unresolved_mass` `(..., V_student)`: the mass of teacher tokens whose bytes are a proper prefix of v's: whether
+      the text goes on to spell v depends on the teacher's next distributions, which this position does not give.
+    """
+
+    student_probs: torch.Tensor
+    leftover: torch.Tensor
+    prefix_mass: torch.Tensor
+    unresolved_mass: torch.Tensor
+
+
+def ids_by_bytes(vocab: ByteVocabulary) -> dict[bytes, list[int]]:
+    """The ids spelling each byte string (several, as Gemma's `<0x0A>` and `\\n`)."""
+    found = defaultdict(list)
+    for token_id, spelled in enumerate(vocab.token_bytes):
+        if spelled:
+            found[spelled].append(token_id)
+    return found
+
+
+def next_token_map(teacher_vocab: ByteVocabulary, student_vocab: ByteVocabulary) -> NextTokenMap:
+    """The [`NextTokenMap`] of a tokenizer pair. Loops over both vocabularies once (about a second for 262k teacher
+    and 49k student tokens); every later mapping is a few tensor operations. When several student tokens spell the
+    same bytes (Gemma's `<0x0A>` and `\\n`), mass goes to the one the tokenizer writes: not the byte fallback."""
+    student_by_bytes, teacher_by_bytes = ids_by_bytes(student_vocab), ids_by_bytes(teacher_vocab)
+    written = {
+        spelled: min(ids, key=lambda token_id: (token_id in student_vocab.byte_fallback_ids, token_id))
+        for spelled, ids in student_by_bytes.items()
+    }
+    longest = max(map(len, written), default=0)
+    specials = special_token_map(teacher_vocab, student_vocab)
+    student_of_teacher = []
+    for token_id, spelled in enumerate(teacher_vocab.token_bytes):
+        if spelled is None:
+            student_of_teacher.append(specials.get(token_id, -1))
+            continue
+        receiver = -1
+        for length in range(min(len(spelled), longest), 0, -1):
+            receiver = written.get(spelled[:length], -1)
+            if receiver >= 0:
+                break
+        student_of_teacher.append(receiver)
+    prefix_pairs = [(token_id, token_id) for token_id in student_vocab.roles]  # a special token is its own only prefix
+    for spelled, token_id in written.items():
+        for length in range(1, len(spelled) + 1):
+            prefix_pairs.extend((shorter, token_id) for shorter in student_by_bytes.get(spelled[:length], ()))
+    proper_prefix_pairs = [
+        (student_id, teacher_id)
+        for spelled, student_ids in student_by_bytes.items()
+        for length in range(1, len(spelled))
+        for teacher_id in teacher_by_bytes.get(spelled[:length], ())
+        for student_id in student_ids
+    ]
+    return NextTokenMap(
+        student_of_teacher=torch.tensor(student_of_teacher, dtype=torch.long),
+        prefix_pairs=torch.tensor(prefix_pairs, dtype=torch.long).reshape(-1, 2).T.contiguous(),
+        proper_prefix_pairs=torch.tensor(proper_prefix_pairs, dtype=torch.long).reshape(-1, 2).T.contiguous(),
+        student_size=len(student_vocab),
+        teacher_size=len(teacher_vocab),
+    )
+
+
+def pair_matrix_product(pairs: torch.Tensor, shape: tuple[int, int], dense: torch.Tensor) -> torch.Tensor:
+    """`dense @ M.T` for the 0/1 matrix M of `shape` whose ones are at `pairs`: (..., shape[1]) -> (..., shape[0])."""
+    pairs = pairs.to(dense.device)
+    matrix = torch.sparse_coo_tensor(pairs, dense.new_ones(pairs.shape[1]), shape, check_invariants=False)
+    return torch.sparse.mm(matrix, dense.T).T
+
+
+def map_next_token_distribution(table: NextTokenMap, teacher_probs: torch.Tensor) -> MappedDistribution:
+    """The teacher's next-token probabilities `(..., V)` at synchronised positions (`V` at least its tokenizer's
+    size: an output layer's padding rows count as leftover) as a [`MappedDistribution`] over the student's
+    vocabulary. Vectorised over positions: one scatter and two sparse products."""
+    width = teacher_probs.shape[-1]
+    if width < table.teacher_size:
+        raise ValueError(
+            f"teacher_probs has {width} entries per position, fewer than the teacher tokenizer's {table.teacher_size}: "
+            "pass the teacher's full next-token distribution (softmax over its whole output layer), built from the "
+            "same tokenizer as the table"
+        )
+    batch_shape = teacher_probs.shape[:-1]
+    flat = teacher_probs.reshape(-1, width)
+    known = flat[:, : table.teacher_size]
+    receivers = table.student_of_teacher.to(flat.device)
+    kept = receivers >= 0
+    student_probs = flat.new_zeros(len(flat), table.student_size).index_add_(1, receivers[kept], known[:, kept])
+    leftover = known[:, ~kept].sum(-1) + flat[:, table.teacher_size :].sum(-1)
+    prefix_mass = pair_matrix_product(table.prefix_pairs, (table.student_size,) * 2, student_probs)
+    unresolved_mass = pair_matrix_product(
+        table.proper_prefix_pairs, (table.student_size, table.teacher_size), known.contiguous()
+    )
+    return MappedDistribution(
+        student_probs.reshape(*batch_shape, -1),
+        leftover.reshape(batch_shape),
+        prefix_mass.reshape(*batch_shape, -1),
+        unresolved_mass.reshape(*batch_shape, -1),
+    )
