@@ -24,9 +24,9 @@ import torch
 from common import RESULTS_DIR, run_forked, say, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_statelens.callback import base_divergences, base_policy_row, seeded_rng
 from trl_statelens.lab import LabWorld, format_plain
-from trl_statelens.runs import resolve_model
+from trl_statelens.lens.probes import base_divergences, base_policy_row, seeded_rng
+from trl_statelens.reports.runs import resolve_model
 
 TOP_KS = (1, 4, 8, 16, 32, 64, 128)
 NUM_PROBES, PROBE_TOKENS, SEEDS = 16, 64, (0, 1, 2)

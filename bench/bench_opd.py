@@ -45,7 +45,7 @@ from trl import DistillationConfig, DistillationTrainer
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
 from trl_statelens.real_models import SMOLLM2
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 STUDENT = dict(hidden=256, layers=4, ffn=1024)
 TEACHER = dict(hidden=256, layers=4, ffn=1024)  # same shape, other weights: the teacher forward costs one student one

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from trl_statelens.evaluation import retention_summary
-from trl_statelens.report import write_report
+from trl_statelens.reports.pages import write_report
 
 RESULTS_FILE = Path(__file__).parent / "results" / "report.json"
 PROBE_EVERY = 10

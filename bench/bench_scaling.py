@@ -7,7 +7,7 @@ alternating order, so the ratios at a point are measured under the same load:
   vocabularies `V` and completion lengths `T` (the runs of `bench_opd.run_arm`, with the reverse_kl floor);
 - `sft`: StateLensSFTTrainer vs SFTTrainer on packed sequences of growing length (the runs of
   `bench_state_logging.run_arm`, with our own code timed directly);
-- `probe`: probe drift (`trl_statelens.drift`) against the number of probe states, on lab text: the linear-memory
+- `probe`: probe drift (`trl_statelens.lens.drift`) against the number of probe states, on lab text: the linear-memory
   path at every size, the exact dense path where it fits, the MMD estimate's error against the exact value; and one
   real probe step (sampling and drift) of 64 probes x 256 tokens inside a training run.
 
@@ -48,10 +48,10 @@ from datasets import Dataset
 from trl import SFTConfig
 
 from trl_statelens import StateLensSFTTrainer, StateLoggingCallback
-from trl_statelens import callback as callback_module
-from trl_statelens import drift as drift_module
-from trl_statelens.drift import PrefixFeatures, drift_metrics, featurize, prefix_states, probe_drift
 from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
+from trl_statelens.lens import callback as callback_module
+from trl_statelens.lens import drift as drift_module
+from trl_statelens.lens.drift import PrefixFeatures, drift_metrics, featurize, prefix_states, probe_drift
 
 # Sizes. The full sweep is sized to fit 15 minutes on 2 quiet cores with one torch thread: the OPD models are narrow
 # (hidden 64, 2 layers), so the vocabulary projection dominates as it does in the loss (an upper bound on what

@@ -39,7 +39,7 @@ from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
 from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer, format_plain
 from trl_statelens.real_models import SMOLLM2
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 MODEL = dict(hidden=256, layers=4, ffn=1024)
 # Per step: `batch` SFT sequences of at most `sft_max_length` tokens, or `batch` GRPO rollouts (4 per prompt) of

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens.data import load_gsm8k
 from trl_statelens.heads import topk_tail_jsd
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 MAX_NEW_TOKENS = 96  # the lab OPD recipe's max_completion_length
 

@@ -37,7 +37,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.data import load_gsm8k
 from trl_statelens.lab import LabWorld, format_plain, score_math
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 SERVER = Path(__file__).resolve().parents[1] / "tests" / "vllm_test_server.py"
 LAST_STEPS = 4

@@ -39,7 +39,7 @@ from trl import GRPOTrainer
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.data import load_gsm8k
 from trl_statelens.real_models import SMOLLM2
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 from trl_statelens.teachers import InProcessTeacher
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

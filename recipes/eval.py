@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trl import ModelConfig, TrlParser
 
-from trl_statelens.runs import RecipeArguments, evaluate, resolve_model, with_default_config
+from trl_statelens.reports.runs import RecipeArguments, evaluate, resolve_model, with_default_config
 
 
 @dataclass

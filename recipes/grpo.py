@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 from trl_statelens import StateLensGRPOTrainer, gsm8k_accuracy_reward
-from trl_statelens.runs import (
+from trl_statelens.reports.runs import (
     RecipeArguments,
     load_train_data,
     resolve_model,

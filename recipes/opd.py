@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from trl import DistillationTrainer, ModelConfig, TrlParser, get_peft_config
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, gsm8k_accuracy_reward
-from trl_statelens.runs import (
+from trl_statelens.reports.runs import (
     LAB,
     LAB_TEACHER,
     RecipeArguments,

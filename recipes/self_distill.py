@@ -7,7 +7,7 @@ accelerate launch recipes/self_distill.py --config recipes/configs/real/self_dis
 
 The data's `privileged_context` column is each problem's reference solution (`trl_statelens.data`); the teacher's
 prompt is `teacher_prompt_template` filled with the row's prompt and that context. `--baseline stock` maps this
-config onto TRL's `SDFTConfig` (`trl_statelens.stock_sdft`: which modes match, and which settings it refuses).
+config onto TRL's `SDFTConfig` (`trl_statelens.opd.stock_sdft`: which modes match, and which settings it refuses).
 """
 
 import os
@@ -16,7 +16,8 @@ import sys
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
-from trl_statelens.runs import (
+from trl_statelens.opd.stock_sdft import to_sdft_config
+from trl_statelens.reports.runs import (
     RecipeArguments,
     load_train_data,
     resolve_model,
@@ -24,7 +25,6 @@ from trl_statelens.runs import (
     state_logging_callback,
     with_default_config,
 )
-from trl_statelens.stock_sdft import to_sdft_config
 
 
 def main(args: RecipeArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from trl import ModelConfig, SFTConfig, SFTTrainer, TrlParser, get_peft_config
 
 from trl_statelens import StateLensSFTTrainer
-from trl_statelens.runs import (
+from trl_statelens.reports.runs import (
     RecipeArguments,
     load_train_data,
     resolve_model,

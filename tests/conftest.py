@@ -152,7 +152,7 @@ def tensorboard_opd_run(tmp_path_factory, math_trained_path, math_teacher_path, 
     from cpu_settings import CPU
 
     from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-    from trl_statelens.rewards import gsm8k_accuracy_reward
+    from trl_statelens.evaluation.rewards import gsm8k_accuracy_reward
 
     out = tmp_path_factory.mktemp("tensorboard_opd")
     report_to = ["tensorboard"]

@@ -291,13 +291,13 @@ def test_teacher_with_another_chat_template_warns(tmp_path, student_path, teache
     teacher = tmp_path / "teacher"
     shutil.copytree(teacher_path, teacher)
     prompts = math_dataset.select_columns(["prompt"])
-    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd_trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd.trainer"):
         opd(student_path, teacher, tmp_path, prompts)
     assert "chat template" not in caplog.text  # same tokenizer files: nothing to say
     retemplated = AutoTokenizer.from_pretrained(teacher)
     retemplated.chat_template = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     retemplated.save_pretrained(teacher)  # same vocabulary, another layout
-    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd_trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.opd.trainer"):
         opd(student_path, teacher, tmp_path, prompts)
     assert f"The teacher's chat template ({teacher}) differs from the student's" in caplog.text
 

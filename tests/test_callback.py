@@ -74,7 +74,7 @@ def test_stock_trainer_gets_probe_drift_only_and_zero_drift_at_lr_0(
     trainer = stock_trainer(kind, tmp_path, student_path, teacher_path, tokenizer, math_dataset, [catcher])
     callback.trainer = trainer
     trainer.add_callback(callback)
-    with caplog.at_level(logging.WARNING, logger="trl_statelens.callback"):
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.lens.callback"):
         trainer.train()
     warnings = [r for r in caplog.records if "need a StateLens trainer" in r.getMessage()]
     assert len(warnings) == 1
@@ -223,7 +223,7 @@ def test_base_kl_after_a_training_step_equals_a_direct_computation(
 def test_base_policy_rows_read_back_from_json_measure_an_unchanged_policy_as_exactly_zero():
     """What step 0 writes to drift_reference.json comes back bit for bit, an empty completion (the policy stopped at
     once) included, so a resumed run's base_kl of an unchanged policy is exactly 0."""
-    from trl_statelens.callback import base_divergences, base_policy_row, read_base_policy_row
+    from trl_statelens.lens.probes import base_divergences, base_policy_row, read_base_policy_row
 
     logps = torch.log_softmax(torch.randn(5, 32), -1)
     for token_ids in (torch.tensor([3, 1, 4, 1, 5]), torch.tensor([], dtype=torch.long)):
@@ -411,17 +411,17 @@ def probe_callback(trainer):
 @pytest.mark.parametrize("gather", [True, False])
 def test_probes_honour_ds3_gather_for_generation(tmp_path, student_path, tokenizer, math_dataset, monkeypatch, gather):
     """With ds3_gather_for_generation=False, GRPO samples from the ZeRO-3 shards; so do the probes."""
-    import trl_statelens.callback as callback_module
+    import trl_statelens.lens.probes as probes_module
 
     trainer = probing_grpo_trainer(tmp_path, student_path, tokenizer, math_dataset, ds3_gather_for_generation=gather)
     seen = []
-    original = callback_module.unwrap_model_for_generation
+    original = probes_module.unwrap_model_for_generation
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("gather_deepspeed3_params", True))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(callback_module, "unwrap_model_for_generation", spy)
+    monkeypatch.setattr(probes_module, "unwrap_model_for_generation", spy)
     assert len(probe_callback(trainer)._sample_probes()) == 2
     assert seen == [gather]
 
@@ -467,7 +467,7 @@ def test_probes_leave_other_devices_generators_alone(tmp_path, student_path, tok
 def test_seeded_rng_on_mps_seeds_that_generator_and_restores_it(fake_mps):
     """What the probe does on an MPS device, simulated with the fake generator (this machine has no MPS): inside, the
     MPS and CPU generators are seeded; after, both are as they were. Real MPS sampling is not covered."""
-    from trl_statelens.callback import seeded_rng
+    from trl_statelens.lens.probes import seeded_rng
 
     cpu_state = torch.get_rng_state()
     with seeded_rng(torch.device("mps"), 3):
@@ -506,7 +506,7 @@ def test_max_flops_stops_at_the_first_step_whose_flops_total_reaches_it(
 
 
 def test_max_flops_is_refused_where_no_flops_total_is_counted(tmp_path, student_path, tokenizer, math_dataset):
-    from trl_statelens.runs import RecipeArguments
+    from trl_statelens.reports.runs import RecipeArguments
 
     with pytest.raises(ValueError, match="max_flops is a number of training FLOPs"):
         StateLoggingCallback(max_flops=0)

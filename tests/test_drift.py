@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_statelens.drift import (
+from trl_statelens.lens.drift import (
     MAX_EXACT_STATES,
     NUM_FEATURES,
     PrefixFeatures,

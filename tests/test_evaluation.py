@@ -674,7 +674,7 @@ def test_gsm8k_sampled_accuracy_samples_the_policy_and_averages_every_sample(lab
 
 def test_recipe_eval_split_dev_scores_the_dev_problems(world):
     from trl_statelens.evaluation import build_tasks
-    from trl_statelens.runs import RecipeArguments, evaluation_settings, probe_prompts
+    from trl_statelens.reports.runs import RecipeArguments, evaluation_settings, probe_prompts
 
     args = RecipeArguments(eval_split="dev", eval_samples=2, num_probes=5)
     (task,) = build_tasks(["gsm8k"], **evaluation_settings(args, seed=0))

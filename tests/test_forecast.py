@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from trl_statelens import ForgettingForecast, StateLensSFTTrainer
-from trl_statelens.forecast import DEFAULT_CALIBRATION, forecast_line, load_calibration, time_point_steps
+from trl_statelens.lens.forecast import DEFAULT_CALIBRATION, forecast_line, load_calibration, time_point_steps
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes" / "studies"))
@@ -81,7 +81,7 @@ def test_zero_distance_at_lr_0_measured_at_the_time_points_and_every_steps(
     tmp_path, student_path, tokenizer, math_dataset, caplog
 ):
     callback = ForgettingForecast(every_steps=4)  # no min_retention: never a warning
-    with caplog.at_level(logging.INFO, logger="trl_statelens.forecast"):
+    with caplog.at_level(logging.INFO, logger="trl_statelens.lens.forecast"):
         trainer, _ = sft_run(tmp_path, student_path, tokenizer, math_dataset, callback, stock=True, max_steps=10,
                           per_device_train_batch_size=2, learning_rate=0.0)  # fmt: skip
     measured = {entry["step"]: entry for entry in trainer.state.log_history if KEYS[0] in entry}
@@ -99,7 +99,7 @@ def test_warning_fires_once_when_the_forecast_falls_below_min_retention(
     tmp_path, student_path, tokenizer, math_dataset, caplog
 ):
     callback = ForgettingForecast(calibration=synthetic_calibration(0.5), every_steps=1, min_retention=0.9)
-    with caplog.at_level(logging.WARNING, logger="trl_statelens.forecast"):
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.lens.forecast"):
         sft_run(tmp_path, student_path, tokenizer, math_dataset, callback, stock=True, max_steps=3,
                 per_device_train_batch_size=2)  # fmt: skip
     (warning,) = [r.getMessage() for r in caplog.records if "min_retention" in r.getMessage()]
@@ -187,7 +187,7 @@ def test_param_distance_after_a_resume_is_measured_from_the_start_of_training(
     out = tmp_path / "resumed"
     stopped, _ = distance_at_4(out, StopAfter2())
     assert stopped.state.global_step == 2 and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
-    with caplog.at_level(logging.WARNING, logger="trl_statelens.forecast"):
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.lens.forecast"):
         resumed, resumed_last = distance_at_4(out, resume=str(out / "checkpoint-2"))
     assert resumed_last["step"] == 4
     assert resumed_last["param_distance"] == pytest.approx(straight_last["param_distance"], rel=1e-6)
@@ -201,7 +201,7 @@ def test_param_distance_after_a_resume_is_measured_from_the_start_of_training(
     # A start file another run wrote over: measured from the resumed weights, with a warning
     other, _ = distance_at_4(tmp_path / "other", StopAfter2())
     start.write_bytes((tmp_path / "other" / "forecast_start.safetensors").read_bytes())
-    with caplog.at_level(logging.WARNING, logger="trl_statelens.forecast"):
+    with caplog.at_level(logging.WARNING, logger="trl_statelens.lens.forecast"):
         _, last = distance_at_4(out, resume=str(out / "checkpoint-2"))
     assert last["param_distance"] < straight_last["param_distance"]
     assert [r for r in caplog.records if "without its starting weights" in r.getMessage()]

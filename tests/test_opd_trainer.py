@@ -12,7 +12,7 @@ from trl import DistillationConfig, DistillationTrainer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.lab import build_model
-from trl_statelens.records import STATE_SOURCES
+from trl_statelens.lens.records import STATE_SOURCES
 
 
 def opd_config(tmp_path, **kwargs):
@@ -719,7 +719,7 @@ def test_without_generation_config_teacher_and_probes_use_the_trainers_sampling_
     tmp_path, student_path, teacher_path, math_dataset
 ):
     """GRPO keeps no `generation_config` under vLLM: the teacher and the probes sample with the trainer's fields."""
-    from trl_statelens.callback import trainer_generation_config
+    from trl_statelens.lens.probes import trainer_generation_config
 
     trainer = OnPolicyDistillTrainer(
         model=str(student_path),

@@ -30,7 +30,7 @@ from trl_statelens import (
 from trl_statelens.cli import main as cli_main
 from trl_statelens.data import load_gsm8k
 from trl_statelens.real_models import SMOLLM2, build_smollm2, real_home, smollm2_gguf
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from trl import DistillationConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParse
 
 from trl_statelens import OnPolicyDistillConfig
 from trl_statelens.evaluation.gsm8k import GSM8KTask
-from trl_statelens.runs import RecipeArguments, print_summary, target_change
+from trl_statelens.reports.runs import RecipeArguments, print_summary, target_change
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -94,7 +94,8 @@ def test_recipe_evaluates_under_the_lm_eval_protocol(tmp_path, monkeypatch, stud
     ("recipe", "baseline"), [("sft", "statelens"), ("grpo", "statelens"), ("opd", "statelens"), ("sft", "stock")]
 )
 def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student_path, teacher_path, recipe, baseline):
-    from trl_statelens.report import compute_curve, load_run, sample_efficiency_curve, write_report
+    from trl_statelens.reports.pages import write_report
+    from trl_statelens.reports.run_folders import compute_curve, load_run, sample_efficiency_curve
 
     out = tmp_path / f"{recipe}_{baseline}"
     argv = [*model_flags(recipe, student_path, teacher_path), "--output_dir", str(out), "--baseline", baseline]
@@ -205,7 +206,7 @@ def test_recipe_rejects_an_unknown_eval_protocol(tmp_path, monkeypatch, student_
 
 
 def test_resolve_model_passes_hub_ids_and_refuses_missing_paths(tmp_path):
-    from trl_statelens.runs import resolve_model
+    from trl_statelens.reports.runs import resolve_model
 
     for hub_id in ("Qwen/Qwen3-0.6B-Base", "HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2"):  # the study configs' ids
         assert resolve_model(hub_id) == hub_id

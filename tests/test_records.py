@@ -5,13 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_statelens.records import (
-    STATE_SOURCES,
-    StateRecorderMixin,
-    StateRecords,
-    aggregate_states,
-    prefix_len_histogram,
-)
+from trl_statelens.lens.recorder import StateRecorderMixin
+from trl_statelens.lens.records import STATE_SOURCES, StateRecords, aggregate_states, prefix_len_histogram
 
 
 class Recorder(StateRecorderMixin):

@@ -12,7 +12,13 @@ from matplotlib.image import imread
 
 from trl_statelens.cli import add_report_arguments
 from trl_statelens.evaluation import retention_summary
-from trl_statelens.report import load_run, run_report_cli, sample_efficiency_curve, token_weighted_mean, write_report
+from trl_statelens.reports.pages import run_report_cli, write_report
+from trl_statelens.reports.run_folders import (
+    load_run,
+    sample_efficiency_curve,
+    teacher_tokens_curve,
+    token_weighted_mean,
+)
 
 PLOTS = ["state_curves.png", "prefix_lengths.png", "drift.png", "tradeoff.png", "teacher_kl.png"]
 
@@ -393,7 +399,7 @@ def test_runs_with_several_teachers_get_a_row_and_curves_per_teacher(runs, tmp_p
 def test_teacher_disagreement_has_a_target_panel_only_when_a_run_scored_the_target(tmp_path, monkeypatch):
     """The probe's exact KL to the teacher in three panels; the fourth, the target score during training, only for
     runs evaluated during training (`--target_eval_steps`): the demo's report has no empty axis."""
-    from trl_statelens import report
+    from trl_statelens.reports import plots
 
     drift = [
         {**line, "teacher_kl/exact": 0.3 / (1 + i), "teacher_kl/exact_fixed": 0.3, "teacher_kl/exact_number": 0.5,
@@ -401,9 +407,9 @@ def test_teacher_disagreement_has_a_target_panel_only_when_a_run_scored_the_targ
         for i, line in enumerate(drift_lines(4, 0.002))
     ]  # fmt: skip
     figures = {}
-    save = report.save
+    save = plots.save
     monkeypatch.setattr(
-        report, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+        plots, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
     )
     for name, log_history in (
         ("unscored", [{"step": s, "loss": 1.0} for s in range(1, 16)]),
@@ -421,7 +427,7 @@ def test_teacher_disagreement_has_a_target_panel_only_when_a_run_scored_the_targ
 def test_a_run_whose_flops_are_unknown_is_left_out_of_the_compute_plot_with_a_note(tmp_path):
     """A served teacher's size is unknown: results.json counts no FLOPs (`None`), and the report says so instead of
     drawing the student's share alone."""
-    from trl_statelens.report import compute_curve
+    from trl_statelens.reports.run_folders import compute_curve
 
     compute = {"student_parameters": 100, "teacher_parameters": None, "flops_per_token": None,
                "flops_per_supervised_token": None, "tokens": 50.0, "flops": None}  # fmt: skip
@@ -462,7 +468,7 @@ def test_the_training_cost_table_reads_the_ledgers_teacher_tokens_and_last_flops
 def test_the_reward_signal_plot_reads_the_groups_by_step_and_by_solution_steps(tmp_path, monkeypatch):
     """GRPO's reward signal: the share of groups whose rewards differ per step (the ledger's aggregate) and, over the
     run, by the problems' `solution_steps` from `groups.jsonl`, an unscorable rollout (`null`) left out."""
-    from trl_statelens import report
+    from trl_statelens.reports import plots
 
     groups = [
         {"step": 1, "prompt_id": "a", "rewards": [0.0, 0.0], "solution_steps": 1},
@@ -478,9 +484,9 @@ def test_the_reward_signal_plot_reads_the_groups_by_step_and_by_solution_steps(t
     run = write_run(tmp_path / "grpo", steps=steps)
     (run / "statelens" / "groups.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))
     figures = {}
-    save = report.save
+    save = plots.save
     monkeypatch.setattr(
-        report, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+        plots, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
     )
     write_report([run], tmp_path / "report")
     by_step, by_difficulty = figures["reward_signal.png"].axes
@@ -495,12 +501,12 @@ def test_the_reward_signal_plot_reads_the_groups_by_step_and_by_solution_steps(t
 def test_the_teacher_tokens_plot_reads_each_evaluation_at_the_teacher_tokens_spent_by_then(tmp_path, monkeypatch):
     """Issue 36's plot: each OPD run's target score against the ledger's `teacher_tokens_total` at the evaluation's
     step (a lever that skips teacher work moves its curve left); a run without a teacher (SFT) is not drawn."""
-    from trl_statelens import report
+    from trl_statelens.reports import plots
 
     figures = {}
-    save = report.save
+    save = plots.save
     monkeypatch.setattr(
-        report, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+        plots, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
     )
     scored = [{"step": s, "eval/gsm8k/accuracy": 0.30 + 0.02 * s} for s in (2, 4)]
     before = {"recipe": "opd", "before": evaluation(0.25, 0.3, 0.4), "after": evaluation(0.4, 0.3, 0.4)}
@@ -519,9 +525,9 @@ def test_the_teacher_tokens_plot_reads_each_evaluation_at_the_teacher_tokens_spe
             log_history=scored,
         )  # fmt: skip
     )
-    tokens, scores = report.teacher_tokens_curve(load_run(folders[1]))
+    tokens, scores = teacher_tokens_curve(load_run(folders[1]))
     assert tokens.tolist() == [0.0, 120.0, 240.0] and scores.tolist() == pytest.approx([0.25, 0.34, 0.38])
-    assert report.teacher_tokens_curve(load_run(folders[2])) is None
+    assert teacher_tokens_curve(load_run(folders[2])) is None
     write_report(folders, tmp_path / "report")
     (ax,) = figures["teacher_tokens.png"].axes
     assert sorted(line.get_label() for line in ax.lines) == ["plain", "skipping"]

@@ -68,8 +68,8 @@ def arm_kill(where: str) -> None:
     before the optimizer step) or "ledger" (halfway through writing its line of steps.jsonl)."""
     from transformers import TrainerCallback
 
-    import trl_statelens.runs
-    from trl_statelens.callback import StateLoggingCallback
+    import trl_statelens.reports.runs
+    from trl_statelens.lens.callback import StateLoggingCallback
 
     if where == "step":
 
@@ -78,13 +78,13 @@ def arm_kill(where: str) -> None:
                 if state.global_step == KILL_STEP - 1:  # global_step counts finished steps
                     kill_self()
 
-        run = trl_statelens.runs.run_recipe
+        run = trl_statelens.reports.runs.run_recipe
 
         def run_with_kill(recipe, trainer, *args, **kwargs):
             trainer.add_callback(KillInStep())
             return run(recipe, trainer, *args, **kwargs)
 
-        trl_statelens.runs.run_recipe = run_with_kill  # the recipe script imports it when it runs
+        trl_statelens.reports.runs.run_recipe = run_with_kill  # the recipe script imports it when it runs
     else:
         append = StateLoggingCallback._append
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trl_statelens.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
+from trl_statelens.evaluation.rewards import gsm8k_accuracy_reward, gsm8k_format_reward
 
 GOLD_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"

@@ -1,4 +1,4 @@
-"""`trl_statelens.runs.compute_counts`: the teacher share of a run's training FLOPs, for every kind of teacher; the
+"""`trl_statelens.reports.runs.compute_counts`: the teacher share of a run's training FLOPs, for every kind of teacher; the
 records' per-step `teacher_tokens` and FLOPs by part, against a hand count."""
 
 import json
@@ -11,11 +11,11 @@ from transformers import TrainerCallback
 from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
-from trl_statelens.compute import matmul_parameters
 from trl_statelens.lab import build_model
 from trl_statelens.lab.model import build_qwen3
-from trl_statelens.records import source_code
-from trl_statelens.runs import compute_counts
+from trl_statelens.lens.compute import matmul_parameters
+from trl_statelens.lens.records import source_code
+from trl_statelens.reports.runs import compute_counts
 
 
 def opd_config(tmp_path, **kwargs):
@@ -134,7 +134,8 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
     generation or a chunk for a router's teacher without rows here), which are not counted. The step's
     `flops/<part>` is DESIGN.md's count from the models' sizes and the step's tokens, and the last `flops_total/*`
     are `results.json`'s; a served teacher's are unknown (`None`), its tokens are counted all the same."""
-    monkeypatch.setattr(collective, "gather_counts", lambda accelerator, count: [count, count + 1])
+    # (the teachers' agreement only: the trainer's and the records' gathers stay this single process's)
+    monkeypatch.setattr(collective, "agreed_calls", lambda accelerator, count: count + 1)
     data = Dataset.from_dict({"prompt": math_dataset["prompt"][:8]})
     teacher_model, kind_args = {
         "in_process": (str(teacher_path), {}),

@@ -1,5 +1,5 @@
 """Self-distillation against TRL's stock `SDFTTrainer`: the config mapping of `--baseline stock`, and equal losses
-and gradients on one batch in the modes that match (`trl_statelens.stock_sdft`)."""
+and gradients on one batch in the modes that match (`trl_statelens.opd.stock_sdft`)."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import torch
 from cpu_settings import CPU
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-from trl_statelens.stock_sdft import to_sdft_config
+from trl_statelens.opd.stock_sdft import to_sdft_config
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

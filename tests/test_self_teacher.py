@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, opd_trainer
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
 from trl_statelens.teachers import SelfTeacher, resolve_rows
 
 
@@ -715,9 +715,9 @@ def test_a_bad_row_on_one_process_stops_every_process(tmp_path, math_trained_pat
 
         return gather_counts
 
-    monkeypatch.setattr(opd_trainer, "gather_counts", two_processes(0))
+    monkeypatch.setattr(collective, "gather_counts", two_processes(0))
     assert trainer._check_rows_on_every_rank(rows) == [None] * 4  # a self teacher routes nothing
-    monkeypatch.setattr(opd_trainer, "gather_counts", two_processes(1))
+    monkeypatch.setattr(collective, "gather_counts", two_processes(1))
     with pytest.raises(ValueError, match="process 1 found a bad row in its batch"):
         trainer._check_rows_on_every_rank(rows)
     rows[2]["privileged_context"] = None

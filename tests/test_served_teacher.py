@@ -19,7 +19,7 @@ from trl import ModelConfig
 from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-from trl_statelens.records import source_code
+from trl_statelens.lens.records import source_code
 from trl_statelens.teachers import TeacherServerClient, TeacherServerError
 
 TWO_RANKS = Path(__file__).parent / "scripts" / "served_teacher_two_ranks.py"
@@ -773,7 +773,7 @@ def test_a_served_teachers_unknown_size_leaves_the_flops_uncounted(
     tmp_path, teacher_server, student_path, math_dataset
 ):
     """The training processes cannot know a served teacher's size: `compute` says `None` rather than 0."""
-    from trl_statelens.runs import compute_counts
+    from trl_statelens.reports.runs import compute_counts
 
     trainer = OnPolicyDistillTrainer(
         model=str(student_path),

@@ -10,8 +10,8 @@ from datasets import Dataset
 from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-from trl_statelens.compute import matmul_parameters
-from trl_statelens.selection import RECHECKED, SCORED, SKIPPED, choose_rows, selection_generator
+from trl_statelens.lens.compute import matmul_parameters
+from trl_statelens.opd.selection import RECHECKED, SCORED, SKIPPED, choose_rows, selection_generator
 
 CORRECT = 1.0
 

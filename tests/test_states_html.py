@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trl_statelens.report import load_run, write_report
-from trl_statelens.states_html import MAX_SEQUENCES, page_data, write_states_page
+from trl_statelens.reports.pages import write_report
+from trl_statelens.reports.run_folders import load_run
+from trl_statelens.reports.states_data import MAX_SEQUENCES, page_data
+from trl_statelens.reports.states_page import write_states_page
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -7,7 +7,7 @@ from cpu_settings import CPU
 from datasets import Dataset
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-from trl_statelens.records import source_code
+from trl_statelens.lens.records import source_code
 
 
 def opd_config(tmp_path, **kwargs):

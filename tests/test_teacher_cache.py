@@ -10,10 +10,10 @@ from transformers import TrainerCallback
 from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-from trl_statelens.cache import CACHE_AGE
-from trl_statelens.compute import matmul_parameters
-from trl_statelens.report import load_run
-from trl_statelens.states_html import page_data
+from trl_statelens.lens.compute import matmul_parameters
+from trl_statelens.opd.cache import CACHE_AGE
+from trl_statelens.reports.run_folders import load_run
+from trl_statelens.reports.states_data import page_data
 
 
 def cache_config(tmp_path, **kwargs):

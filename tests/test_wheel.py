@@ -58,8 +58,9 @@ def test_wheel_metadata_is_what_a_package_index_shows(dist):
             archive.read(f"trl_statelens-{trl_statelens.__version__}.dist-info/METADATA").decode()
         )
         entry_points = archive.read(f"trl_statelens-{trl_statelens.__version__}.dist-info/entry_points.txt").decode()
-    assert {"trl_statelens/states_html.py", "trl_statelens/lab/paths.py", "trl_statelens/cli.py"} <= set(names)
-    assert "trl_statelens/forgetting_calibration.json" in names  # ForgettingForecast's default calibration
+    assert {"trl_statelens/reports/states_page.py", "trl_statelens/lab/paths.py", "trl_statelens/cli.py"} <= set(names)
+    assert "trl_statelens/lens/forgetting_calibration.json" in names  # ForgettingForecast's default calibration
+    assert "trl_statelens/reports/states_page.js" in names  # the states page's script
     assert not any(name.startswith(("tests/", "recipes/", "bench/")) for name in names)
     assert metadata["Name"] == "trl-statelens" and metadata["Version"] == trl_statelens.__version__
     assert metadata["License-Expression"] == "Apache-2.0" and metadata["Requires-Python"] == ">=3.10"
@@ -74,7 +75,7 @@ def test_wheel_metadata_is_what_a_package_index_shows(dist):
     assert "statelens = trl_statelens.cli:main" in entry_points
     with tarfile.open(sdist) as archive:
         members = {Path(*Path(name).parts[1:]).as_posix() for name in archive.getnames()}
-    assert {"pyproject.toml", "README.md", "trl_statelens/states_html.py", "PKG-INFO"} <= members
+    assert {"pyproject.toml", "README.md", "trl_statelens/reports/states_page.js", "PKG-INFO"} <= members
 
 
 def test_installed_wheel_imports_and_runs(dist, tmp_path):
@@ -99,7 +100,7 @@ def test_installed_wheel_imports_and_runs(dist, tmp_path):
         env=env,
     ).split()
     assert Path(imported[0]).is_relative_to(site_packages), imported  # the wheel's copy, not this checkout
-    assert imported[1] == "trl_statelens.sft_trainer"
+    assert imported[1] == "trl_statelens.trainers.sft"
     statelens = str(venv / "bin" / "statelens")
     assert "{lab,eval,report}" in run([statelens, "--help"], cwd=tmp_path, env=env)
     assert "math 0.100  kb (MMLU analog) 0.500" in run([statelens, "lab", "info"], cwd=tmp_path, env=env)

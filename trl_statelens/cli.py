@@ -41,7 +41,7 @@ def _lab_info(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from .evaluation import run_eval_cli
-    from .runs import LAB, LAB_TEACHER, SMOLLM2, resolve_model
+    from .reports.runs import LAB, LAB_TEACHER, SMOLLM2, resolve_model
 
     if args.model in (LAB, LAB_TEACHER, SMOLLM2):  # the named models: built or converted on first use
         args.model = resolve_model(args.model, args.lab_seed)
@@ -50,7 +50,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import run_report_cli
+    from .reports.pages import run_report_cli
 
     return run_report_cli(args)
 
@@ -99,7 +99,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The arguments of `statelens report` (here, not in `report.py`, so `--help` does not import pandas)."""
+    """The arguments of `statelens report` (here, not in `reports/`, so `--help` does not import pandas)."""
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders written by the recipes")
     parser.add_argument(
         "--out", required=True, help="folder for report.md, report.html, states.html and the PNG plots"

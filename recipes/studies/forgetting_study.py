@@ -16,7 +16,7 @@ saves its model (weights only) every `probe_steps` steps so the parameter distan
 Outputs: `<out>/forecast.json` (every run's statistics and Forgetting, and the table), `<out>/forecast.md`
 (the table, the fitted law), `<out>/forgetting_vs_base_kl.png`, `<out>/forgetting_vs_param_distance.png` and
 `<out>/calibration.json` (the lines Forgetting ~ a + b param_distance and Retention ~ a + b param_distance at each
-time point with bootstrap samples: `trl_statelens/forgetting_calibration.json`, ForgettingForecast's default, is this
+time point with bootstrap samples: `trl_statelens/lens/forgetting_calibration.json`, ForgettingForecast's default, is this
 file from the study's 31 runs). Re-analyse finished runs without running anything: `--analyse_only`.
 """
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from self_distill_study import smoothed as smooth
 
-from trl_statelens.report import load_run, target_scores_during, training_flops, write_report
+from trl_statelens.reports.pages import write_report
+from trl_statelens.reports.run_folders import load_run, target_scores_during, training_flops
 
 RECIPES = Path(__file__).resolve().parents[1]
 ARMS = {

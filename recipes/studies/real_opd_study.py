@@ -50,7 +50,7 @@ from trl_statelens.evaluation import evaluate_model, paired_interval
 from trl_statelens.evaluation.answer_shape import clean_format, repeats_itself
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_METRIC = "eval/gsm8k/answer_found"  # the format share: answers with a `#### N` line

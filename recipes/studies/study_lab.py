@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from trl_statelens.evaluation import item_scores, paired_interval, retention_summary
-from trl_statelens.report import write_report
+from trl_statelens.reports.pages import write_report
 
 RECIPES = Path(__file__).resolve().parents[1]
 CONFIGS = RECIPES / "configs" / "lab"

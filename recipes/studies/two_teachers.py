@@ -210,7 +210,7 @@ def main():
     options = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # every run one torch thread: `--jobs` of them share the cores
     from trl_statelens.lab import lab_dir
-    from trl_statelens.runs import LAB, resolve_model
+    from trl_statelens.reports.runs import LAB, resolve_model
 
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +243,7 @@ def main():
     with ThreadPoolExecutor(options.jobs) as pool:  # a failed run exits here (study_lab's `run`)
         list(pool.map(lambda job: run(job[0], job[1] / "log.txt"), jobs))
 
-    from trl_statelens.report import write_report
+    from trl_statelens.reports.pages import write_report
 
     for seed in options.seeds:
         write_report([out / f"seed{seed}" / arm for arm in ARMS], out / f"seed{seed}" / "report", base=out / "base")

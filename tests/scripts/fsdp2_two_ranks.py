@@ -45,7 +45,7 @@ from transformers.distributed import DistributedConfig  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-import trl_statelens.opd_trainer  # noqa: E402
+import trl_statelens.opd.loss  # noqa: E402
 from trl_statelens import (  # noqa: E402
     ForgettingForecast,
     OnPolicyDistillConfig,
@@ -260,8 +260,8 @@ def pieces(trainer) -> dict:
     # The trainer's log-prob path: TRL's while the head is a DTensor (at rest), the package's once a forward (here
     # one without gradient, as GRPO's generation) has left the root's parameters whole
     package_calls = []
-    package_path = trl_statelens.opd_trainer._completion_logps_and_entropies
-    trl_statelens.opd_trainer._completion_logps_and_entropies = lambda *a: package_calls.append(1) or package_path(*a)
+    package_path = trl_statelens.opd.loss._completion_logps_and_entropies
+    trl_statelens.opd.loss._completion_logps_and_entropies = lambda *a: package_calls.append(1) or package_path(*a)
     student = by_hand(student_path, training=True)
     for branch in ("head_at_rest", "after_forward"):
         if branch == "after_forward":
@@ -281,7 +281,7 @@ def pieces(trainer) -> dict:
             "grad_diff": grad_diff(student),
         }
         student.zero_grad()
-    trl_statelens.opd_trainer._completion_logps_and_entropies = package_path
+    trl_statelens.opd.loss._completion_logps_and_entropies = package_path
 
     # A served teacher's top-k divergence, inside the student's forward as the trainer runs it
     top_ids = torch.randint(0, 1000, (2, 4, 3), generator=generator)

@@ -25,9 +25,9 @@ from cpu_settings import CPU  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback  # noqa: E402
-from trl_statelens.cache import SAMPLING_LOGPS, staleness_mask, staleness_terms  # noqa: E402
 from trl_statelens.lab import LabWorld, format_plain  # noqa: E402
-from trl_statelens.opd_trainer import LEARNER  # noqa: E402
+from trl_statelens.opd.cache import SAMPLING_LOGPS, staleness_mask, staleness_terms  # noqa: E402
+from trl_statelens.opd.rollouts import LEARNER  # noqa: E402
 
 torch.set_num_threads(1)
 student_path, teacher_path, output_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])

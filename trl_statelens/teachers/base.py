@@ -12,6 +12,11 @@ from trl.trainer.utils import pad
 
 from ..heads import Divergence
 
+# The offline teacher cache's keys in a micro-batch (`teacher_cache_steps`: opd/cache.py), which an in-process teacher
+# reads and writes
+CACHE_AGE = "teacher_cache_age"  # in each micro-batch the cache serves: 0 on a refresh, n on its n-th reuse
+TEACHER_HIDDEN = "teacher_cache_teacher_hidden"  # an in-process teacher's final hidden states, kept for `divergence`
+
 
 class TeacherRow(NamedTuple):
     """Row `index` of a batch the teacher scored, or is scoring: `scores` is answered (maybe later, from a background

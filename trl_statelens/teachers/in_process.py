@@ -7,11 +7,20 @@ from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
-from ..cache import CACHE_AGE, TEACHER_HIDDEN
-from ..callback import trainer_generation_config
-from ..collective import agreed_calls, agreed_chunks
+from .. import collective
 from ..heads import Divergence, _completion_hidden_states, divergence_and_token_logps
-from .base import RowScores, Teacher, answered, batch_rows, completion_padded, joined, left_padded
+from ..lens.probes import trainer_generation_config
+from .base import (
+    CACHE_AGE,
+    TEACHER_HIDDEN,
+    RowScores,
+    Teacher,
+    answered,
+    batch_rows,
+    completion_padded,
+    joined,
+    left_padded,
+)
 from .vocabulary import check_same_vocabulary, vocab_size
 
 
@@ -61,7 +70,7 @@ class InProcessTeacher(Teacher):
         # while any rank has rows, a rank without any on a stand-in row whose continuation it drops.
         sequences = joined(prompts, prefixes)
         trainer = self.trainer
-        if not agreed_calls(trainer.accelerator, min(len(sequences), 1)):
+        if not collective.any_rank_has(trainer.accelerator, len(sequences)):
             return []
         pad_id = trainer._tokenizer.pad_token_id
         device = trainer.accelerator.device
@@ -101,7 +110,7 @@ class InProcessTeacher(Teacher):
         trainer = self.trainer
         args = trainer.args
         batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
-        chunks = agreed_chunks(trainer.accelerator, len(prompts), batch_size)
+        chunks = collective.agreed_chunks(trainer.accelerator, len(prompts), batch_size)
         if not chunks:
             return []
         pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
@@ -131,15 +140,15 @@ class InProcessTeacher(Teacher):
         ([`divergence_and_token_logps`]): one call on every rank while any rank has rows, a rank without rows on a
         stand-in row that supervises nothing.
 
-        With the teacher cache (`cache.py`), a micro-batch's first pass keeps the teacher's hidden states in the batch
-        and its reuses project those with the teacher's output layer, without the teacher's forward (on every rank
-        alike: the cache decides the same everywhere)."""
+        With the teacher cache (`opd/cache.py`), a micro-batch's first pass keeps the teacher's hidden states in the
+        batch and its reuses project those with the teacher's output layer, without the teacher's forward (on every
+        rank alike: the cache decides the same everywhere)."""
         # The micro-batch the cache keeps its hidden states in (`batch` may become a stand-in row below); age: None
         # without the cache, 0 on its refresh
         cached, age = batch, batch.get(CACHE_AGE)
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
-        if not agreed_calls(self.trainer.accelerator, min(num_rows, 1)):
+        if not collective.any_rank_has(self.trainer.accelerator, num_rows):
             return Divergence(student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
         if num_rows == 0:
             batch, student_hidden, loss_mask = _stand_in_row(

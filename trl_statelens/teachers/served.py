@@ -6,8 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import heads
-from ..collective import agreed_chunks
+from .. import collective, heads
 from ..heads import Divergence, topk_tail_divergence
 from .base import ResolvedScores, RowScores, Teacher, answered, batch_rows, joined, resolve_rows
 from .loading import connect_served_teacher
@@ -111,7 +110,9 @@ class ServedTeacher(Teacher):
         (forward and backward): every rank makes as many calls as the rank with the most positions, the ones past its
         own on empty chunks, and at least one, so that the layer is used on every rank (as DDP requires of an untied
         head) even where a router sent this rank's rows to other teachers or every position is masked."""
-        chunks = agreed_chunks(self.accelerator, int((loss_mask != 0).sum()), heads.POSITION_CHUNK) or [slice(0, 0)]
+        chunks = collective.agreed_chunks(self.accelerator, int((loss_mask != 0).sum()), heads.POSITION_CHUNK) or [
+            slice(0, 0)
+        ]
         if batch["teacher_scores"]:
             scores = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"])
         else:  # no rows of this teacher here

@@ -24,10 +24,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from .callback import StateLoggingCallback, check_no_ledger
-from .compute import ComputeCounter, cache_counts, ledger_totals, tokens_seen
-from .data import load_gsm8k
-from .evaluation import (
+from ..data import load_gsm8k
+from ..evaluation import (
     RETENTION_TASKS,
     RetentionEvalCallback,
     evaluate_model,
@@ -36,8 +34,10 @@ from .evaluation import (
     parse_limit,
     retention_summary,
 )
-from .real_models import SMOLLM2, build_smollm2
-from .teachers import without_zero3_init
+from ..lens.callback import StateLoggingCallback, check_no_ledger
+from ..lens.compute import ComputeCounter, cache_counts, ledger_totals, tokens_seen
+from ..real_models import SMOLLM2, build_smollm2
+from ..teachers import without_zero3_init
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
 LAB_TEACHER = "lab-teacher"
@@ -153,7 +153,7 @@ def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
     """`"lab"` (or nothing) is the lab base model and `"lab-teacher"` the lab math teacher, built on first use;
     `"smollm2-135m"` the real SmolLM2-135M-Instruct, converted on first use (`trl_statelens.real_models`); anything
     else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
-    from .lab import build_lab, build_teacher
+    from ..lab import build_lab, build_teacher
 
     if name_or_path in (None, LAB):
         return str(build_lab(seed=lab_seed) / "base")
@@ -381,7 +381,7 @@ def target_change(out: Path, metric: str = "correct_strict") -> dict | None:
 
 def write_run_report(out: Path) -> Path | None:
     """The run's own report (plots, state statistics) and states page, in `<out>/report`."""
-    from .report import write_report
+    from .pages import write_report
 
     try:
         return write_report([out], out / "report")

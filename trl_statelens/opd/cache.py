@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import torch
 
-CACHE_AGE = "teacher_cache_age"  # in each micro-batch the cache serves: 0 on a refresh, n on its n-th reuse
+from .. import collective
+from ..teachers.base import CACHE_AGE  # each micro-batch's age: 0 on a refresh, n on its n-th reuse
+
 SAMPLING_LOGPS = "teacher_cache_sampling_logps"  # the sampling policy's log-probs of the completion tokens (B, T)
-TEACHER_HIDDEN = "teacher_cache_teacher_hidden"  # an in-process teacher's final hidden states, kept for `divergence`
 REFRESH_REASONS = ("first", "age", "staleness")
 
 
@@ -106,7 +107,7 @@ class TeacherCache:
             sums += staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, self.learner_code))
             checked += int(attention_mask.sum())
         self._step_sums[5] += checked  # this rank's: the ledger gathers them
-        k3, _, count = trainer.accelerator.gather(sums[None]).sum(0).tolist()
+        k3, _, count = collective.sum_over_ranks(trainer.accelerator, sums)
         return k3 / count if count else 0.0
 
     def observe(self, inputs: dict, logps: torch.Tensor) -> None:
@@ -118,7 +119,7 @@ class TeacherCache:
         if inputs[CACHE_AGE] == 0:
             inputs[SAMPLING_LOGPS] = logps.detach()
         terms = staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, self.learner_code))
-        k3, k1, count = trainer.accelerator.gather(terms.to(trainer.accelerator.device)[None]).sum(0).tolist()
+        k3, k1, count = collective.sum_over_ranks(trainer.accelerator, terms)
         self._step_sums[:3] += torch.tensor([k3, k1, count])
         trainer._metrics["train"]["teacher_cache/staleness"].append(k3 / count if count else 0.0)
         trainer._metrics["train"]["teacher_cache/log_ratio"].append(k1 / count if count else 0.0)
@@ -135,10 +136,9 @@ class TeacherCache:
         value that triggered it), and the counts the FLOPs read: `cache_reused_tokens` (the prompt and completion tokens
         trained from the cache, all ranks), `cache_reused_completion_tokens` and `cache_checked_tokens` (those the
         staleness check's forward read)."""
-        device = self.trainer.accelerator.device
         local = self._step_sums.clone()
         local[:3] = 0  # already summed over the ranks
-        gathered = self.trainer.accelerator.gather(local.to(device)[None]).sum(0).tolist()
+        gathered = collective.sum_over_ranks(self.trainer.accelerator, local)
         k3, k1, count = self._step_sums[:3].tolist()
         self._step_sums = torch.zeros(6)
         trace = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .answers import NUMBER_REGEX, answers_match, extract_answer, math_verify_match, normalize_number
+from ..answers import NUMBER_REGEX, answers_match, extract_answer, math_verify_match, normalize_number
 
 # A base model given plain prompts keeps writing the next "Question: ..." after its answer; that text is not part of
 # the answer (the evaluation stops generation there too).

@@ -1,7 +1,7 @@
 """Training compute counted from model sizes and tokens (DESIGN.md): 2 FLOPs per parameter per token for a forward
 pass and 6 for a forward and backward, attention's length-squared term left out (lab sequences are short).
 
-One count, [`ComputeCounter.split`], serves the run's total in `results.json` ([`~trl_statelens.runs.compute_counts`])
+One count, [`ComputeCounter.split`], serves the run's total in `results.json` ([`~trl_statelens.reports.runs.compute_counts`])
 and the per-step and cumulative `statelens/flops/*` of the state records ([`StateLoggingCallback`]).
 """
 

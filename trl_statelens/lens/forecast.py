@@ -108,7 +108,7 @@ class ForgettingForecast(TrainerCallback):
     gets them through `trainer.log`. Like `StateLoggingCallback`, it needs the trainer:
     `trainer.add_callback(ForgettingForecast(trainer, min_retention=0.9))`.
 
-    **Calibration.** The default, `trl_statelens/forgetting_calibration.json`, is **lab-calibrated**: fitted on the
+    **Calibration.** The default, `trl_statelens/lens/forgetting_calibration.json`, is **lab-calibrated**: fitted on the
     study's 31 runs of the lab's 1.1M-parameter Qwen3 (lab seed 0, full fine-tuning), written by
     `recipes/studies/forgetting_study.py` (`calibration()`). A distance's scale depends on the model (its size, its
     initialization, the tasks), so these numbers forecast nothing on another model: calibrate on yours (run a few
@@ -134,7 +134,7 @@ class ForgettingForecast(TrainerCallback):
         trainer (`transformers.Trainer`):
             The trainer it measures and logs through (may be set later as `callback.trainer`, before training).
         calibration (`str`, `Path` or `dict`, *optional*):
-            A calibration in the format of `trl_statelens/forgetting_calibration.json`: `time_points` -> label ->
+            A calibration in the format of `trl_statelens/lens/forgetting_calibration.json`: `time_points` -> label ->
             `{"fraction": float, "forgetting": {"a", "b", "bootstrap": [[a, b], ...]}, "retention": {...}}`. Defaults
             to the lab's.
         every_steps (`int`, *optional*, defaults to `50`):

@@ -4,8 +4,8 @@ problem and the fix (docs/bad-input.md)."""
 
 from __future__ import annotations
 
-from .checks import check_train_dataset
-from .opd_config import OnPolicyDistillConfig
+from ..checks import check_train_dataset
+from .config import OnPolicyDistillConfig
 
 
 def check_datasets(train_dataset, eval_dataset, teacher_model, args: OnPolicyDistillConfig) -> None:

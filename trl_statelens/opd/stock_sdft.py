@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from .opd_config import OnPolicyDistillConfig
+from .config import OnPolicyDistillConfig
 
 # Ours, with nothing like it in SDFTTrainer: what `to_sdft_config` refuses, and what the README lists
 NO_COUNTERPART = {

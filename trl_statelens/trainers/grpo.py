@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
-from .callback import attach_state_logging
-from .checks import (
+from ..checks import (
     FiniteGradientsMixin,
     bound_arguments,
     check_prompt_lengths,
@@ -22,7 +21,8 @@ from .checks import (
     load_safetensors_only,
     tokenizer_of,
 )
-from .records import StateRecorderMixin
+from ..lens.callback import attach_state_logging
+from ..lens.recorder import StateRecorderMixin
 
 
 class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer):

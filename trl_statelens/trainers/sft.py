@@ -8,8 +8,7 @@ from pathlib import Path
 import torch.nn.functional as F
 from trl import SFTTrainer
 
-from .callback import attach_state_logging
-from .checks import (
+from ..checks import (
     SFT_COLUMNS,
     FiniteGradientsMixin,
     bound_arguments,
@@ -20,7 +19,8 @@ from .checks import (
     load_safetensors_only,
     tokenizer_of,
 )
-from .records import StateRecorderMixin
+from ..lens.callback import attach_state_logging
+from ..lens.recorder import StateRecorderMixin
 
 
 class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):

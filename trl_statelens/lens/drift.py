@@ -1,7 +1,7 @@
 """Drift of a state distribution: a lexical featurizer for prefix states and four distances between point sets.
 
 A *state* is a prompt plus the prefix of an answer. Probe drift (see
-:class:`~trl_statelens.callback.StateLoggingCallback`) samples the policy on fixed probe prompts, cuts every
+:class:`~trl_statelens.lens.callback.StateLoggingCallback`) samples the policy on fixed probe prompts, cuts every
 completion into its word prefixes and compares their features with those of the same probes at step 0. The
 featurized texts are the answer prefixes alone, without their prompts: the probe prompts are the same at every
 measurement, so they would only add the same n-grams to both sets.

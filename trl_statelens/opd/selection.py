@@ -13,14 +13,10 @@ import math
 
 import torch
 
-from .heads import Divergence, _head_logps
-
-SCORED, SKIPPED, RECHECKED = 0, 1, 2  # a row's selection code, in the batch (`teacher_selection`) and the records
-SELECTION_FIELDS = {  # what a ledger sequence says about each code
-    SCORED: {"teacher_scored": True, "skipped": None, "recheck": False},
-    SKIPPED: {"teacher_scored": False, "skipped": "correct", "recheck": False},
-    RECHECKED: {"teacher_scored": True, "skipped": None, "recheck": True},
-}
+from .. import collective
+from ..heads import Divergence, _head_logps
+from ..lens.records import RECHECKED, SCORED, SKIPPED  # a row's selection code, in the batch and the records
+from ..teachers.base import RowScores, TeacherRow, answered
 
 
 def selection_generator(seed: int, rank: int, step: int, batch_in_step: int) -> torch.Generator:
@@ -74,8 +70,6 @@ def rows_of(batch: dict, rows: torch.Tensor) -> dict:
 
 def _unscored_row(num_tokens: int):
     """A skipped row's place in the batch's teacher scores: log-probs of 0, which its zero loss weight never reads."""
-    from .teachers.base import RowScores, TeacherRow, answered  # (the teachers import the records, which import this)
-
     return TeacherRow(answered([RowScores(torch.zeros(num_tokens))]), 0)
 
 
@@ -118,8 +112,8 @@ def select_and_score(trainer, batch, output: dict) -> list | None:
     skipped_tokens = sum(len(prompts[i]) + len(completions[i]) for i in skipped)
     counts = trainer._selection_counts
     trainer._selection_counts = [counts[0] + len(skipped), counts[1] + num_rechecked, counts[2] + skipped_tokens]
-    totals = trainer.accelerator.gather(torch.tensor([[len(skipped), num_rechecked, len(codes)]], device=device))
-    total_skipped, total_rechecked, rollouts = totals.sum(0).tolist()
+    totals = torch.tensor([len(skipped), num_rechecked, len(codes)])
+    total_skipped, total_rechecked, rollouts = collective.sum_over_ranks(trainer.accelerator, totals)
     trainer._metrics["train"]["teacher/skipped_frac"].append(total_skipped / rollouts)
     trainer._metrics["train"]["teacher/rechecked_frac"].append(total_rechecked / rollouts)
 
