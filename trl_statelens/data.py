@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 PROMPT_FORMATS = ("plain", "chat")
+CONTEXT_FORMATS = ("text", "chat")  # how solved problems are shown to a self teacher (`shots_context`)
 SPLIT_NAMES = ("train", "test", "validation", "dev")
 GSM8K_HUB_ID = "openai/gsm8k"
 LAB_MATH_TRAIN_SIZE = 2000  # what `statelens lab build` writes to data/math/train.jsonl
@@ -187,10 +188,22 @@ def solution_steps(answer: str) -> int:
 
 
 def gsm8k_example(
-    row: dict, prompt_format: str = "plain", shots: list[dict] = (), context_shots: list[dict] = ()
+    row: dict,
+    prompt_format: str = "plain",
+    shots: list[dict] = (),
+    context_shots: list[dict] = (),
+    context_format: str = "text",
 ) -> dict:
     """One prompt/completion example, keeping ``question``, ``answer``, the ``ground_truth`` final answer and, as
-    ``privileged_context``, the worked solution (or, with ``context_shots``, those solved problems instead)."""
+    ``privileged_context``, the worked solution (or, with ``context_shots``, those solved problems instead: one text
+    of ``Question:``/``Answer:`` blocks, or with ``context_format="chat"`` user/assistant exchanges)."""
+    if context_format not in CONTEXT_FORMATS:
+        raise ValueError(f"unknown context_format {context_format!r}: use one of {CONTEXT_FORMATS}")
+    if context_format == "chat" and prompt_format != "chat":
+        raise ValueError(
+            "context_format='chat' writes the solved problems as chat turns, which only a chat prompt can follow: "
+            "use prompt_format='chat', or context_format='text' for plain prompts"
+        )
     if prompt_format == "plain":
         prompt, completion = plain_prompt(row["question"], shots), " " + row["answer"]
     elif prompt_format == "chat":
@@ -206,8 +219,17 @@ def gsm8k_example(
         "ground_truth": extract_answer(row["answer"], "strict"),
         "solution_steps": solution_steps(row["answer"]),
         # shown to a self teacher only: the reference solution, or solved problems
-        "privileged_context": shots_text(context_shots) if context_shots else row["answer"],
+        "privileged_context": shots_context(context_shots, context_format) if context_shots else row["answer"],
     }
+
+
+def shots_context(shots: list[dict], context_format: str = "text") -> str | list[dict]:
+    """Solved problems as a self teacher's privileged context: one text (``"text"``), or (``"chat"``) the
+    user/assistant exchanges the student's chat template closes with its end token, which a self teacher reads as turns
+    before the student's conversation. In the text frame, ``... #### N`` is followed by the next ``Question:``, so a
+    teacher reading it expects another problem after a final answer, not the end (STUDY.md, "A real model: the record
+    corrected")."""
+    return shots_text(shots) if context_format == "text" else chat_prompt("", shots)[:-1]
 
 
 def shots_text(shots: list[dict]) -> str:
@@ -238,6 +260,7 @@ def gsm8k_examples(
     seed: int = 0,
     lab_seed: int = 0,
     context_shots: int = 0,
+    context_format: str = "text",
 ) -> list[dict]:
     """The rows of :func:`load_gsm8k` as a list of dicts (what the evaluation iterates over)."""
     if prompt_format not in PROMPT_FORMATS:
@@ -255,6 +278,7 @@ def gsm8k_examples(
             prompt_format,
             shots_for(r["question"], shots, num_shots),
             shots_for(r["question"], context, context_shots),
+            context_format,
         )
         for r in rows
     ]
@@ -270,6 +294,7 @@ def load_gsm8k(
     seed: int = 0,
     lab_seed: int = 0,
     context_shots: int = 0,
+    context_format: str = "text",
 ) -> Dataset:
     """GSM8K as a prompt/completion :class:`datasets.Dataset` for TRL's SFT, GRPO and distillation trainers.
 
@@ -285,6 +310,10 @@ def load_gsm8k(
         context_shots: make each row's ``privileged_context`` this many solved train problems (the same for every
             row, never the row itself; drawn apart from the prompt's shots) instead of its own worked solution: a self
             teacher shown worked examples rather than the answer.
+        context_format: how ``context_shots`` are written: ``"text"`` (one text of ``Question:``/``Answer:``
+            blocks, filled into the self teacher's ``teacher_prompt_template``) or ``"chat"`` (user/assistant
+            exchanges, each answer closed by the chat template's end token, read by the teacher as turns before the
+            student's conversation: a teacher that has seen answers end).
 
     Returns:
         A data set with columns ``prompt``, ``completion``, ``question``, ``answer``, ``ground_truth`` and
@@ -292,6 +321,6 @@ def load_gsm8k(
     """
     examples = gsm8k_examples(
         source, split, prompt_format=prompt_format, num_shots=num_shots, limit=limit, seed=seed, lab_seed=lab_seed,
-        context_shots=context_shots,
+        context_shots=context_shots, context_format=context_format,
     )  # fmt: skip
     return Dataset.from_list(examples)

@@ -5,14 +5,20 @@ to dev problems behind the student's prompt and behind each teacher view (the se
 
 Views, all in the model's chat template:
 - `student`: the question alone (what the student sees);
-- `shots`: 4 solved train problems, then the question, in one user message (a few-shot self teacher);
+- `shots`: 4 solved train problems, then the question, in one user message (a few-shot self teacher; the text
+  frame the 2026-12-03 run's teacher read, where `#### N` is followed by the next `Question:`);
+- `chat_shots`: the same 4 problems as user/assistant exchanges, each answer closed by the template's end token, then
+  the question as the last user turn (`load_gsm8k(..., context_format="chat")`: what the teacher reads as turns);
 - `solution`: the question with its own reference solution and "now solve it yourself" (the self-distillation
   recipe's teacher, `recipes/configs/real/self_distill.yaml`).
 Each teacher view is what a self teacher with that `TEMPLATES` entry as its `teacher_prompt_template` reads.
 
 Dev problems: GSM8K train rows held out from training (`real_splits`); the test split is not read. Prints and writes
 `teacher_advantage.json`: per view, strict (`#### N`) and flexible (last number) accuracy, the share of answers with
-a `#### N` line (what lm-eval's strict-match reads), and the mean answer length in tokens.
+a `#### N` line (what lm-eval's strict-match reads), the clean-format and loop shares
+(`trl_statelens.evaluation.answer_shape`), the mean answer length in tokens, and what the view wants after a final
+answer: the probability of the end-of-turn token right after `N` of the view's own `#### N` answers
+(`end_prob_own`, mean over those answers) and after `N` of each problem's reference solution (`end_prob_reference`).
 """
 
 import argparse
@@ -22,16 +28,19 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_statelens.answers import extract_answer
-from trl_statelens.data import chat_prompt, pick_shots, read_gsm8k_rows, shots_text
+from trl_statelens.answers import STRICT_PATTERN, extract_answer
+from trl_statelens.data import chat_prompt, pick_shots, read_gsm8k_rows
+from trl_statelens.data import shots_context as format_shots
+from trl_statelens.evaluation.answer_shape import clean_format, repeats_itself
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
-from trl_statelens.runs import resolve_model
+from trl_statelens.reports.runs import resolve_model
 
 DEV_SIZE, NUM_SHOTS, SPLIT_SEED = 200, 4, 2026
-VIEWS = ("student", "shots", "solution")
+VIEWS = ("student", "shots", "chat_shots", "solution")
 # Self-teacher templates (`teacher_prompt_template`): {prompt} is the student's user message, {privileged_context}
 # the row's reference solution (`solution`) or NUM_SHOTS solved train problems (`shots`, `shots_context`)
 TEMPLATES = {
@@ -49,21 +58,43 @@ def real_splits(data: Path) -> tuple[list[dict], list[dict]]:
     return [rows[i] for i in order[:DEV_SIZE]], [rows[i] for i in order[DEV_SIZE:]]
 
 
-def shots_context(pool: list[dict], seed: int = 0) -> str:
-    """The NUM_SHOTS solved problems a recipe run with `--context_shots` and training seed `seed` shows its teacher,
-    its training data being `pool` (`load_gsm8k` draws them so)."""
-    return shots_text(pick_shots(pool, NUM_SHOTS, seed + 1)[:NUM_SHOTS])
+def shots_context(pool: list[dict], seed: int = 0, context_format: str = "text") -> str | list[dict]:
+    """The NUM_SHOTS solved problems a recipe run with `--context_shots` (and `--context_format`) and training seed
+    `seed` shows its teacher, its training data being `pool` (`load_gsm8k` draws them so)."""
+    return format_shots(pick_shots(pool, NUM_SHOTS, seed + 1)[:NUM_SHOTS], context_format)
 
 
 def view_prompts(view: str, rows: list[dict], pool: list[dict]) -> list[list[dict]]:
     """Each row's conversation as the student (`student`) or a self teacher with that template sees it."""
     if view == "student":
         return [chat_prompt(r["question"]) for r in rows]
+    if view == "chat_shots":
+        return [[*shots_context(pool, context_format="chat"), *chat_prompt(r["question"])] for r in rows]
     contexts = [r["answer"] if view == "solution" else shots_context(pool) for r in rows]
     return [
         [{"role": "user", "content": TEMPLATES[view].format(prompt=r["question"], privileged_context=c)}]
         for r, c in zip(rows, contexts)
     ]
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
+
+
+@torch.no_grad()
+def end_probability(model, tokenizer, prompts: list[str], answers: list[str]) -> list[float]:
+    """For each answer holding a `#### N` line, the model's probability of the end-of-turn token (the tokenizer's
+    eos, `<|im_end|>` for SmolLM2's chat) right after `N`, behind its prompt: what this view wants once the answer
+    is given. Answers without a final-answer line are left out."""
+    probabilities = []
+    for prompt, answer in zip(prompts, answers):
+        found = STRICT_PATTERN.search(answer)
+        if found is None:
+            continue
+        ids = tokenizer(prompt + answer[: found.end()], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        logits = model(ids).logits[0, -1].float()
+        probabilities.append(torch.softmax(logits, -1)[tokenizer.eos_token_id].item())
+    return probabilities
 
 
 def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS) -> dict:
@@ -90,10 +121,18 @@ def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS) -> dic
             "accuracy_strict": statistics.mean(s["correct_strict"] for s in scores),
             "accuracy_flexible": statistics.mean(s["correct_flexible"] for s in scores),
             "answer_found": statistics.mean(s["answer_found"] for s in scores),
+            "clean_format": statistics.mean(clean_format(o) for o in outputs),
+            "repeats": statistics.mean(repeats_itself(o) for o in outputs),
             "mean_tokens": statistics.mean(len(tokenizer(o)["input_ids"]) for o in outputs),
+            "end_prob_own": mean_or_none(end_probability(model, tokenizer, prompts, outputs)),
+            "end_prob_reference": mean_or_none(
+                end_probability(model, tokenizer, prompts, [r["answer"] for r in rows])
+            ),
             "example": outputs[0],
         }
         print(view, {k: v for k, v in results[view].items() if k != "example"}, flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
     return results

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from ..data import load_gsm8k
+from ..data import CONTEXT_FORMATS, load_gsm8k
 from ..evaluation import (
     RETENTION_TASKS,
     RetentionEvalCallback,
@@ -55,6 +55,9 @@ class RecipeArguments:
         train_size: keep this many training rows (a seeded subset); all when unset.
         context_shots: a self teacher's privileged context is this many solved train problems (the same for every
             row) instead of each row's reference solution; 0 (default) for the solution.
+        context_format: how those solved problems are shown: `"text"` (default: one text filled into the teacher's
+            template) or `"chat"` (user/assistant exchanges before the student's conversation, each closed by the chat
+            template's end token; needs `prompt_format: chat`).
         eval_data: evaluation data: `"lab"`, `"hub"` (GSM8K, TruthfulQA, MMLU from the hub) or a folder with
             `gsm8k/`, `truthfulqa/`, `mmlu/`.
         eval_tasks: comma-separated tasks to score before and after training (`gsm8k,truthfulqa,mmlu`); empty for none.
@@ -98,6 +101,7 @@ class RecipeArguments:
     prompt_format: str = "plain"
     train_size: int | None = None
     context_shots: int = 0
+    context_format: str = "text"
     eval_data: str = LAB
     eval_tasks: str = "gsm8k,truthfulqa,mmlu"
     eval_limit: str | None = None
@@ -125,6 +129,12 @@ class RecipeArguments:
         if self.context_shots < 0:
             raise ValueError(
                 f"--context_shots is a number of solved problems (0 for the solution), got {self.context_shots}"
+            )
+        if self.context_format not in CONTEXT_FORMATS:
+            raise ValueError(f"--context_format must be one of {CONTEXT_FORMATS}, got {self.context_format!r}")
+        if self.context_format == "chat" and self.prompt_format != "chat":
+            raise ValueError(
+                "--context_format chat shows the solved problems as chat turns: it needs --prompt_format chat"
             )
         if self.eval_split not in ("test", "dev"):
             raise ValueError(f"--eval_split must be 'test' or 'dev', got {self.eval_split!r}")
@@ -174,7 +184,7 @@ def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
 def load_train_data(args: RecipeArguments, seed: int):
     return load_gsm8k(
         args.dataset_name, "train", prompt_format=args.prompt_format, limit=args.train_size, seed=seed,
-        lab_seed=args.lab_seed, context_shots=args.context_shots,
+        lab_seed=args.lab_seed, context_shots=args.context_shots, context_format=args.context_format,
     )  # fmt: skip
 
 

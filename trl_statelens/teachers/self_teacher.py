@@ -87,7 +87,14 @@ class SelfTeacher(InProcessTeacher):
         return [list(ids) for ids in self.trainer._tokenize_prompts(texts)[0]]
 
     def fill(self, prompt, privileged_context):
-        """The teacher's prompt (text or conversation) for a row."""
+        """The teacher's prompt (text or conversation) for a row. Solved exchanges (`is_exchanges`: user and assistant
+        turns, as `load_gsm8k(..., context_format="chat")` writes them) before a conversational prompt are read as those
+        turns, after the prompt's system message if it has one: each shot's answer is then closed by the chat
+        template's end token, as the student's answers are, and the template is not used. Any other context is text,
+        filled into the template."""
+        if is_exchanges(privileged_context) and is_conversational({"prompt": prompt}):
+            system = [message for message in prompt[:1] if message.get("role") == "system"]
+            return [*system, *privileged_context, *prompt[len(system) :]]
         context = _as_text(privileged_context)
         if not is_conversational({"prompt": prompt}):
             return self.template.format(prompt=prompt, privileged_context=context)
@@ -195,6 +202,14 @@ def _weights(kind: str, trainer, student_path: str | None) -> TeacherWeights:
     if kind == "ema":
         return AveragedCopy(trainer, student_path)
     return CopiedWeights(trainer, student_path)
+
+
+def is_exchanges(value) -> bool:
+    """Whether a privileged context is whole chat exchanges: messages alternating user, assistant, ..., assistant."""
+    if not isinstance(value, list) or not value or not all(isinstance(message, dict) for message in value):
+        return False
+    roles = [message.get("role") for message in value]
+    return len(roles) % 2 == 0 and roles == ["user", "assistant"] * (len(roles) // 2)
 
 
 def _as_text(value) -> str:
