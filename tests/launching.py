@@ -1,7 +1,9 @@
 """Launching a test's ranks: `accelerate launch` (torchrun underneath) of a script on 2 processes, one thread each.
 
 Every rank loads `tests/launch_hooks/sitecustomize.py`: an abort prints each thread's Python stack, and a rank whose
-script ran to its end says so. That is how `launch` tells the one failure it forgives from a real one.
+script ran to its end says so, with its pid (not a rank that exited by a failing `SystemExit`, nor a child process of
+the rank). That is how `launch` tells the one failure it forgives from a real one: a rank's word counts only with the
+pid torchrun's failure table gives that rank.
 
 The forgiven failure: under DeepSpeed, gloo's process groups outlive `destroy_process_group()` (`Trainer.end()`,
 `Accelerator.end_training()`). DeepSpeed keeps them (`deepspeed.utils.groups._WORLD_GROUP`, each ZeRO-3 parameter's
@@ -14,7 +16,8 @@ twice in one run (2026-12-02: rank 0 of a ZeRO-3 test script, and a recipe's wor
 still writing its results). It is gloo's (the CPU backend): a GPU run's NCCL groups are not affected.
 `launch` passes such a launch, with a warning, when every rank finished its script; when a rank that torchrun ended
 had not (its work cut short by the other's abort, not by an error of its own), it empties the launch's output folder
-and runs it once more. Any other failure fails the test, and the test's own checks of what each rank wrote decide
+and runs it once more, provided that folder held nothing before the launch (it is emptied only if it holds the
+launch's outputs only). Any other failure fails the test, and the test's own checks of what each rank wrote decide
 the rest.
 """
 
@@ -29,10 +32,10 @@ from pathlib import Path
 
 HOOKS = Path(__file__).parent / "launch_hooks"
 EXIT_ABORT = "terminate called without an active exception"
-FINISHED = "statelens-test: rank {} finished its script"  # as launch_hooks/sitecustomize.py prints it
-FINISHED_RANK = re.compile(re.escape(FINISHED).replace(r"\{\}", r"(\d+)"))
+FINISHED = "statelens-test: rank {} (pid {}) finished its script"  # as launch_hooks/sitecustomize.py prints it
+FINISHED_RANK = re.compile(re.escape(FINISHED).replace(r"\{\}", r"(\d+)"))  # (rank, pid)
 # torchrun's failure table: "rank      : 1 (local_rank: 1)" then "exitcode  : -15 (pid: 8709)  (SIGTERM)"
-RANK_EXIT = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+RANK_EXIT = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
 SIGABRT, SIGTERM = str(-signal.SIGABRT), str(-signal.SIGTERM)
 
 
@@ -51,9 +54,12 @@ def rank_env(env: dict | None = None) -> dict:
 def shutdown_abort(stderr: str) -> tuple[bool, bool]:
     """Whether the launch failed only because ranks that had finished their script aborted while shutting down (and
     torchrun ended the others), and whether every rank had finished its script by then."""
-    exits = dict(RANK_EXIT.findall(stderr))
+    table = RANK_EXIT.findall(stderr)
+    exits = {rank: code for rank, code, _ in table}
     aborted = {rank for rank, code in exits.items() if code == SIGABRT}
-    finished = set(FINISHED_RANK.findall(stderr))
+    # a rank's word counts from the process torchrun ran as that rank only (not from a child that printed it)
+    ran = {(rank, pid) for rank, _, pid in table}
+    finished = {rank for rank, pid in FINISHED_RANK.findall(stderr) if (rank, pid) in ran}
     only_that = (
         EXIT_ABORT in stderr
         and bool(aborted)
@@ -87,6 +93,15 @@ def run_ranks(
     return subprocess.CompletedProcess(command, run.returncode, stdout, stderr)
 
 
+def before_launch(outputs: Path | None) -> list[str]:
+    """What `outputs` holds before a launch (up to 5 names): anything there is not the launch's to empty."""
+    if outputs is None or not os.path.lexists(outputs):
+        return []
+    if outputs.is_symlink() or not outputs.is_dir():
+        return [f"{outputs.name} (not a folder)"]
+    return sorted(path.name for path in outputs.iterdir())[:5]
+
+
 def launch(
     command: list[str],
     env: dict | None = None,
@@ -96,7 +111,10 @@ def launch(
 ) -> str:
     """`run_ranks`, asserting that the launch exits 0, and its stdout. A launch that failed only by the abort at
     shutdown the module docstring describes passes with a warning when every rank had finished; otherwise, with
-    `outputs` (the folder it writes into, emptied first), it runs once more."""
+    `outputs` (the folder it writes into, emptied first), it runs once more. `outputs` must hold the launch's outputs
+    only: a folder that held anything before the launch (the test's inputs, another run's files) is not emptied, and
+    the launch not run again."""
+    held = before_launch(outputs)
     for attempt in (1, 2):
         run = run_ranks(command, env, timeout, hang)
         if run.returncode == 0:
@@ -108,9 +126,15 @@ def launch(
             return run.stdout
         if not (only_shutdown_abort and outputs is not None and attempt == 1):
             break
+        if held:
+            raise AssertionError(
+                f"a rank's gloo shutdown abort cut another rank short, but {outputs} held {held} before the launch: "
+                f"not emptied, not run again (pass a folder of the launch's outputs only): {run.stderr[-4000:]}"
+            )
         warnings.warn(
             f"a rank's gloo shutdown abort cut another rank short; run again: {run.stderr[-1500:]}", stacklevel=2
         )
-        shutil.rmtree(outputs, ignore_errors=True)
+        if outputs.exists():
+            shutil.rmtree(outputs)
         outputs.mkdir(parents=True)
     raise AssertionError(run.stderr[-4000:])
