@@ -11,6 +11,7 @@ from pathlib import Path
 
 from trl import ModelConfig, TrlParser
 
+from trl_statelens.provenance import provenance
 from trl_statelens.reports.runs import RecipeArguments, evaluate, resolve_model, with_default_config
 
 
@@ -29,6 +30,8 @@ def main(args: EvalScriptArguments, model_args: ModelConfig):
     results = {"recipe": "eval", "trainer": None, "baseline": args.baseline, "run_name": out.name, "model": model_path,
                "teacher": None, "seed": args.seed, "before": None, "after": after, "retention": None,
                "final_drift": None, "train_seconds": 0.0, "global_steps": 0, "recipe_arguments": asdict(args)}  # fmt: skip
+    # the evaluation's record (the weights as evaluated), else the model folder's files hashed
+    results["provenance"] = (after or {}).get("provenance") or provenance({"model": model_path})
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\n=== eval of {model_path} -> {out}")
     for task, score in (after or {}).get("scores", {}).items():

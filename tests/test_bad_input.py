@@ -405,3 +405,105 @@ def test_context_length_reads_every_config_naming_of_the_position_limit():
     assert context_length(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128))) == 128
     assert context_length(SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(n_ctx=32)))) == 32
     assert context_length(SimpleNamespace(config=SimpleNamespace())) is None
+
+
+# ----- review 2026-12-04: settings that would do nothing, or do it wrong, refused ---------------------------------
+def opd_config(tmp_path, **overrides):
+    from trl_statelens import OnPolicyDistillConfig
+
+    settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1)
+    return OnPolicyDistillConfig(output_dir=str(tmp_path / "opd"), **{**CPU, **settings, **overrides})
+
+
+def test_lora_on_the_output_layer_is_refused(tmp_path, student_path, teacher_path, math_dataset):
+    """Every OPD loss projects the student through its output layer's `.weight`, a LoRA layer's base weight: the
+    adapter's delta there would be ignored and never trained. TRL 1.16's GRPOTrainer refuses it (a `peft_config`
+    naming `lm_head`, or a PEFT model given with it adapted); a trained output layer (`modules_to_save`) is read
+    whole and accepted."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_statelens import OnPolicyDistillTrainer
+
+    lora = LoraConfig(r=2, target_modules=["q_proj", "lm_head"])
+    message = "Applying a PEFT adapter to `lm_head` is not supported"
+    with pytest.raises(ValueError, match=message):
+        OnPolicyDistillTrainer(model=str(student_path), teacher_model=str(teacher_path), args=opd_config(tmp_path),
+                               train_dataset=math_dataset, peft_config=lora)  # fmt: skip
+    student = get_peft_model(AutoModelForCausalLM.from_pretrained(student_path), lora)
+    with pytest.raises(ValueError, match=message):
+        OnPolicyDistillTrainer(model=student, teacher_model=str(teacher_path), args=opd_config(tmp_path),
+                               train_dataset=math_dataset)  # fmt: skip
+    trained_head = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    OnPolicyDistillTrainer(model=str(student_path), teacher_model=str(teacher_path), args=opd_config(tmp_path),
+                           train_dataset=math_dataset, peft_config=trained_head, state_logging=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "zero, message",
+    [
+        ({"mics_shard_size": 2}, "MiCS \\(mics_shard_size=2\\)"),
+        ({"zero_quantized_nontrainable_weights": True}, "ZeRO\\+\\+ zero_quantized_nontrainable_weights"),
+    ],
+)
+def test_ema_teacher_under_zero3_with_mics_or_quantized_frozen_weights_is_refused(zero, message):
+    """MiCS cuts the partitions within shard groups (a resume would load another group's slice, or zeros), and
+    ZeRO++ quantizes a frozen model's partitions (the EMA copy's: the average would run on quantized codes)."""
+    from types import SimpleNamespace
+
+    from trl_statelens.teachers.self_teacher_weights import _refuse_unaligned_partitions
+
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3, **zero}})
+    with pytest.raises(ValueError, match=f"teacher_model_kind='ema' under DeepSpeed ZeRO-3 with {message}"):
+        _refuse_unaligned_partitions(plugin)
+    off = {"mics_shard_size": -1, "zero_quantized_nontrainable_weights": False}  # DeepSpeed's defaults
+    _refuse_unaligned_partitions(SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3, **off}}))
+
+
+def test_ema_teacher_with_save_only_model_is_refused(tmp_path):
+    """The EMA is written beside the RNG states, which `save_only_model=True` skips: its checkpoints could not resume
+    the teacher. Refused in the config; a checkpoint without the EMA file says what may have caused it."""
+    from trl_statelens.teachers.self_teacher_weights import _saved_average
+
+    with pytest.raises(ValueError, match="teacher_model_kind='ema' with save_only_model=True"):
+        opd_config(tmp_path, teacher_model_kind="ema", save_only_model=True)
+    opd_config(tmp_path, teacher_model_kind="base", save_only_model=True)  # nothing to resume: fine
+    with pytest.raises(ValueError, match="holds no EMA teacher.* saved with save_only_model=True"):
+        _saved_average(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "setting", [dict(skip_correct_rollouts=True), dict(teacher_cache_steps=2, teacher_cache_max_staleness=0.05)]
+)
+def test_learner_state_levers_without_learner_states_are_refused(tmp_path, setting):
+    """State selection skips correct `learner` rollouts only, and the cache's staleness is measured on `learner`
+    tokens only: with no `learner` share nothing is ever skipped, and the staleness is always 0."""
+    extra = {"signal": "divergence"} if "teacher_cache_steps" in setting else {}
+    name = next(iter(setting)) if "skip_correct_rollouts" in setting else "teacher_cache_max_staleness"
+    with pytest.raises(ValueError, match=f"{name}=.*learner states in state_source_mix"):
+        opd_config(tmp_path, state_source_mix={"dataset": 1.0}, **setting, **extra)
+    opd_config(tmp_path, state_source_mix={"learner": 0.5, "dataset": 0.5}, **setting, **extra)  # read: fine
+
+
+def test_self_teacher_prompt_longer_than_the_context(tmp_path, math_trained_path, math_dataset, tokenizer):
+    """A self teacher's prompt (the template filled with the row's privileged context: solved problems, a long hint)
+    can pass the context where the student's prompt fits: checked as the student's are, at construction, before
+    the teacher's copy is made."""
+    from trl_statelens import OnPolicyDistillTrainer
+
+    context = 512  # the `test`-size models' max_position_embeddings
+    rows = math_dataset.select(range(4))
+    long_context = "Ava has 3 apples. " * 120
+    assert len(tokenizer(long_context).input_ids) > context
+    contexts = [*rows["completion"][:2], long_context, rows["completion"][3]]
+    data = rows.add_column("privileged_context", contexts)
+    args = opd_config(tmp_path, teacher_model_kind="base")
+    with pytest.raises(
+        ValueError, match="1 self-teacher prompt\\(s\\) do not fit the model's context of 512 .*prompt, row 2"
+    ):
+        OnPolicyDistillTrainer(model=str(math_trained_path), args=args, train_dataset=data)
+    with pytest.raises(ValueError, match="eval_dataset: 1 self-teacher prompt"):  # evaluation runs the same prompts
+        OnPolicyDistillTrainer(model=str(math_trained_path), args=args, eval_dataset=data,
+                               train_dataset=rows.add_column("privileged_context", rows["completion"]))  # fmt: skip
+    fits = rows.add_column("privileged_context", rows["completion"])
+    OnPolicyDistillTrainer(model=str(math_trained_path), args=args, train_dataset=fits, state_logging=False)

@@ -1,5 +1,6 @@
 """StateLoggingCallback: probe drift, the ledger across a resume, stock trainers, and how it attaches."""
 
+import copy
 import json
 import logging
 
@@ -7,10 +8,17 @@ import pytest
 import torch
 from cpu_settings import CPU
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl
 from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
-from trl_statelens import StateLensGRPOTrainer, StateLensSFTTrainer, StateLoggingCallback
+from trl_statelens import (
+    OnPolicyDistillConfig,
+    OnPolicyDistillTrainer,
+    StateLensGRPOTrainer,
+    StateLensSFTTrainer,
+    StateLoggingCallback,
+    collective,
+)
 from trl_statelens.lab import format_plain
 
 
@@ -518,3 +526,43 @@ def test_max_flops_is_refused_where_no_flops_total_is_counted(tmp_path, student_
     with pytest.raises(ValueError, match="max_flops needs the run's FLOPs total, which SFTTrainer"):
         stock.train()
     assert stock.state.global_step == 0
+
+
+def test_every_rank_counts_the_same_flops_after_a_resume(
+    tmp_path, student_path, teacher_path, math_dataset, monkeypatch
+):
+    """Only the main process reads the ledger back at a resume; the ledger-fed parts of the FLOPs count (here the
+    teacher cache's reused batch of step 2) must reach every rank, or `flops_total/total >= max_flops` is decided
+    differently per rank and the ranks stop at different steps (a hang). Two ranks are played by the two
+    `is_world_process_zero` views of one resumed state; the broadcast from the main process answers each with what the
+    main process sent (as `broadcast_object_list` would), the main process's view first. (Review 2026-12-04, 1.)"""
+    args = OnPolicyDistillConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=2,
+        max_completion_length=8, learning_rate=1e-3, signal="divergence", teacher_cache_steps=2, **CPU,
+    )  # fmt: skip
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path), args=args,
+        train_dataset=math_dataset.select(range(32)),
+    )  # fmt: skip
+    trainer.train()
+    steps = read_jsonl(tmp_path / "statelens" / "steps.jsonl")
+    assert steps[1]["cache_reused_tokens"] > 0  # step 2 trained from the cache
+
+    sent = []  # what the main process broadcast, in order
+
+    def from_main_process(accelerator, value):
+        if main:
+            sent.append(value)
+            return value
+        return sent.pop(0)
+
+    monkeypatch.setattr(collective, "from_main_process", from_main_process, raising=False)
+    totals = []
+    for main in (True, False):  # the run resumed at step 2 on two ranks: the same trainer state, main process or not
+        callback = StateLoggingCallback(trainer, max_flops=1e30)
+        state = copy.deepcopy(trainer.state)
+        state.is_world_process_zero = main
+        callback.on_train_begin(trainer.args, state, TrainerControl())
+        totals.append(callback._flops_so_far["total"])
+    assert totals[0] == totals[1], f"main process counts {totals[0]:.4g} FLOPs so far, another rank {totals[1]:.4g}"
+    assert totals[0] == pytest.approx(steps[-1]["flops_total/total"])  # the ledger's count, where the run stopped

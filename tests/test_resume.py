@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launching import free_port, launch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +168,24 @@ def test_killed_run_resumes_as_if_uninterrupted(tmp_path, uninterrupted_runs, ca
     assert json.loads((out / "results.json").read_text())["global_steps"] == 5
     assert (out / "statelens" / "groups.jsonl").exists() == (recipe == "grpo")
     assert_same_run(out, uninterrupted)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_two_ranks_resumed_with_max_flops_stop_at_the_same_step(tmp_path, student_path):
+    """A run with the teacher cache resumed on two ranks from its step-2 checkpoint, with `max_flops` just under its
+    step-3 count (tests/scripts/max_flops_resume_two_ranks.py): both ranks count on from the ledger's totals, which the
+    main process reads back and sends to the other, and both stop after step 3. Without them the other rank counts
+    step 2's reused batch as nothing, trains into step 4 alone and waits there. (Review 2026-12-04, 1.)"""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(Path(__file__).parent / "scripts" / "max_flops_resume_two_ranks.py"), str(student_path), str(tmp_path),
+    ]  # fmt: skip
+    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=240, hang="the ranks stopped at different steps",
+           outputs=tmp_path)  # fmt: skip
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [rank["world_size"] for rank in ranks] == [2, 2]
+    assert [rank["stopped_at"] for rank in ranks] == [3, 3]
+    assert ranks[0]["flops_at_resume"] == ranks[1]["flops_at_resume"] == pytest.approx(ranks[0]["flops_at_step_2"])

@@ -132,8 +132,9 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
     prefix), counted by hand from each generation batch's masks. Another rank is played that always needs one more
     teacher call (as in tests/test_collective.py): this rank makes its stand-in calls (an extra scoring chunk, a
     generation or a chunk for a router's teacher without rows here), which are not counted. The step's
-    `flops/<part>` is DESIGN.md's count from the models' sizes and the step's tokens, and the last `flops_total/*`
-    are `results.json`'s; a served teacher's are unknown (`None`), its tokens are counted all the same."""
+    `flops/<part>` is DESIGN.md's count from the models' sizes and the step's tokens (with the teacher's writing of
+    `teacher` states: its prompts and the tokens written), and the last `flops_total/*` are `results.json`'s; a served
+    teacher's are unknown (`None`), its tokens are counted all the same."""
     # (the teachers' agreement only: the trainer's and the records' gathers stay this single process's)
     monkeypatch.setattr(collective, "agreed_calls", lambda accelerator, count: count + 1)
     data = Dataset.from_dict({"prompt": math_dataset["prompt"][:8]})
@@ -163,7 +164,7 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         train_dataset=data,
         callbacks=[StateLoggingCallback(sample_rate=0.0), tokens_seen],
     )
-    by_hand, context = Counter(), Counter()
+    by_hand, context, writing = Counter(), Counter(), Counter()
     generate_and_score = trainer._generate_and_score_completions
 
     def counted(inputs):
@@ -177,6 +178,10 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         # a self teacher's prompts are longer than the student's (`prompt_mask`) by its privileged context
         extra = [len(t) - int(m.sum()) for t, m in zip(output["teacher_prompt_ids"], output["prompt_mask"])]
         context[trainer.state.global_step + 1] += sum(extra)
+        # the teacher's generation of teacher states: a forward over each one's prompt, one per token written
+        rows = (output["row_source"] == source_code("teacher")).nonzero().flatten().tolist()
+        written = sum(len(output["teacher_prompt_ids"][i]) + int(mask[i].sum()) for i in rows)
+        writing[trainer.state.global_step + 1] += written
         return output
 
     trainer._generate_and_score_completions = counted
@@ -206,6 +211,7 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
             assert line["flops/teacher"] is None and line["flops/total"] is None
         else:
             expected = (2 + 2 * cut) * teacher * (tokens + context[step]) + 4 * cut * teacher * supervised
+            expected += 2 * teacher * writing[step]
             assert line["flops/teacher"] == pytest.approx(expected)
     counts = compute_counts(trainer)
     assert counts["teacher_tokens"] == by_hand[1] + by_hand[2]
@@ -216,3 +222,37 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         else:
             assert steps[-1][f"flops_total/{part}"] == pytest.approx(value)
             assert value == pytest.approx(sum(line[f"flops/{part}"] for line in steps))
+
+
+def test_teacher_flops_count_the_teacher_states_the_teacher_wrote(tmp_path, student_path, teacher_path, math_dataset):
+    """Half the rows are `teacher` states: the in-process teacher generates them (a forward over each one's prompt,
+    then one per written token) and then scores every row. `teacher_tokens` counts the written tokens; the teacher
+    FLOPs must count the writing too: 2 N_T per prompt token of those rollouts (`teacher_generation_prompt_tokens`)
+    and per token written (`teacher_written_tokens`). (Review 2026-12-04, 3.)"""
+    args = opd_config(tmp_path, signal="divergence", state_source_mix={"learner": 0.5, "teacher": 0.5})
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path), args=args,
+        train_dataset=math_dataset.select(range(16)),
+    )  # fmt: skip
+    prompts = []  # the teacher's prompt tokens of the teacher-state rows, counted by hand
+    generate_and_score = trainer._generate_and_score_completions
+
+    def counted(inputs):
+        output = generate_and_score(inputs)
+        rows = (output["row_source"] == source_code("teacher")).nonzero().flatten().tolist()
+        prompts.append(sum(len(output["teacher_prompt_ids"][i]) for i in rows))
+        return output
+
+    trainer._generate_and_score_completions = counted
+    trainer.train()
+    line = json.loads((tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()[0])
+    n_teacher = matmul_parameters(trainer.teacher.model)
+    tokens = trainer.state.num_input_tokens_seen
+    written = line["teacher_tokens"] - line["supervised_tokens"]  # scored = every completion token here
+    assert written > 0  # the teacher wrote rollouts this step
+    assert line["flops/teacher"] >= 2 * n_teacher * (tokens + written), "the teacher's writing is not counted"
+    assert (line["teacher_written_tokens"], line["teacher_generation_prompt_tokens"]) == (written, sum(prompts))
+    assert line["flops/teacher"] == pytest.approx(2 * n_teacher * (tokens + written + sum(prompts)))
+    counts = compute_counts(trainer)  # results.json's count is the ledger's
+    assert counts["flops_by_part"]["teacher"] == pytest.approx(line["flops_total/teacher"])
+    assert counts["flops"] == pytest.approx(line["flops_total/total"])

@@ -724,3 +724,71 @@ def test_a_bad_row_on_one_process_stops_every_process(tmp_path, math_trained_pat
     with pytest.raises(ValueError, match=r"this batch: 1 row\(s\) have no privileged_context"):
         trainer._check_rows_on_every_rank(rows)
     assert flags == [0, 0, 1]  # this process said so before raising: the others stop with it
+
+
+# ----- review 2026-12-04 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, signal", [("base", "divergence"), ("ema", "divergence"), ("base", "reverse_kl")])
+def test_peft_self_teacher_divergence_projects_the_student_with_its_own_trained_head(
+    tmp_path, math_trained_path, math_dataset, kind, signal
+):
+    """A LoRA student whose output layer is trained (`modules_to_save=["lm_head"]`), its head copy moved away from
+    the base head after the teacher was made; the teacher reads the student's prompt (empty context), so it is the
+    student at the start ("base": the adapter disabled; "ema": the average, made before the head moved) and differs
+    from the student at the head only. The divergence loss must see that difference and send the head copy a
+    gradient: the student is projected with its own head, outside the teacher's weights (PEFT's ModulesToSaveWrapper
+    reads `original_module.weight` while adapters are disabled; "ema" swaps the average into the copy's `.data`).
+    `reverse_kl` (the student's log-probs from its own forward) is the control: there the two disagree."""
+    from peft import LoraConfig
+
+    args = opd_config(
+        tmp_path, learning_rate=1e-2, signal=signal, teacher_model_kind=kind,
+        teacher_prompt_template="{prompt}{privileged_context}",
+    )  # fmt: skip
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"])  # LoRA B = 0
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), args=args, train_dataset=with_context(math_dataset, [""]).select(range(16)),
+        peft_config=lora, state_logging=False,
+    )  # fmt: skip
+    copy_weight = trainer.model.get_output_embeddings().modules_to_save["default"].weight
+    with torch.no_grad():
+        copy_weight.add_(0.05 * torch.randn_like(copy_weight))  # the student's head now differs from the teacher's
+    before = copy_weight.detach().clone()
+    trainer.train()
+    loss, kl = log_history(trainer, "loss")[0], log_history(trainer, "teacher_kl/sampled")[0]
+    if signal == "reverse_kl":  # the student's own forward: it differs from its teacher
+        assert abs(kl) > 1e-4
+        return
+    assert loss > 1e-4, f"divergence loss {loss}: the student was projected with the teacher's head"
+    assert abs(kl) > 1e-4
+    assert not torch.equal(copy_weight.detach(), before), "the trained head copy got no gradient"
+
+
+def test_zero3_ema_checkpoint_gathers_offloaded_partitions_on_the_accelerators_device(tmp_path):
+    """Under ZeRO-3 with CPU parameter offload the EMA's partitions (and their fp32 masters) live in host memory,
+    and NCCL gathers only tensors on the process's GPU (accelerate's `gather` allocates its output there): each
+    partition travels to `accelerator.device` for the gather, and the whole average is saved as gathered. Here the
+    accelerator's device is `meta`, never the partition's own (two processes' partitions of a 5-element weight)."""
+    from trl_statelens.teachers.self_teacher_weights import EMA_FILE, AveragedCopy
+
+    weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # a ZeRO-3 parameter, released
+    weight.ds_tensor, weight.ds_numel, weight.ds_shape = torch.arange(3.0), 5, torch.Size([5])  # partition on CPU
+    model = torch.nn.Module()
+    model.register_parameter("weight", weight)
+    gathered = []
+
+    class Accelerator:
+        device = torch.device("meta")
+
+        def unwrap_model(self, module):
+            return module
+
+        def gather(self, tensor):
+            gathered.append(tensor.device)
+            return torch.arange(6.0)  # both processes' partitions, the last one padded (as NCCL's, but on the CPU)
+
+    ema = AveragedCopy.__new__(AveragedCopy)  # its state alone: no model copy, no DeepSpeed
+    ema.trainer = SimpleNamespace(args=SimpleNamespace(should_save=True), accelerator=Accelerator())
+    ema.zero3, ema.model, ema.master = True, model, {}
+    ema.save(str(tmp_path))
+    assert gathered == [torch.device("meta")], f"gathered on {gathered}, not on the accelerator's device"
+    assert load_file(tmp_path / EMA_FILE)["weight"].equal(torch.arange(5.0))

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import ModelConfig
 from vllm_test_server import TestTeacherServer
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
 from trl_statelens.lens.records import source_code
 from trl_statelens.teachers import TeacherServerClient, TeacherServerError
 
@@ -784,3 +784,50 @@ def test_a_served_teachers_unknown_size_leaves_the_flops_uncounted(
     counts = compute_counts(trainer)
     assert counts["student_parameters"] > 0
     assert (counts["teacher_parameters"], counts["flops_per_token"], counts["flops"]) == (None, None, None)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_request_failed_on_one_rank_stops_every_rank_together(
+    tmp_path, teacher_server, teacher_path, student_path, math_dataset, monkeypatch, overlap
+):
+    """Two ranks played by two threads (tests/test_collective.py's `TwoRanks`: a gather answers each rank with both
+    ranks' counts; a gather the other rank never joins fails with `BrokenBarrierError`, where real ranks would hang).
+    Rank 0's server rejects every scoring request, rank 1's answers. Rank 0 raises its own `TeacherServerError` where
+    it reads the answer (the loss, or at once without `teacher_server_overlap`), and rank 1 raises one naming process 0
+    at the same point, not later in a collective rank 0 never joins. (Review 2026-12-01, item 11.)"""
+    from test_collective import TwoRanks
+
+    with TestTeacherServer(teacher_path, fail_after=1, fail_status=400) as failing:  # the vocabulary probe passes
+        trainers = [
+            OnPolicyDistillTrainer(
+                model=str(student_path),
+                args=opd_config(
+                    tmp_path / f"rank{rank}", teacher_model_server_url=url, teacher_server_overlap=overlap
+                ),
+                train_dataset=math_dataset,
+                state_logging=False,
+            )
+            for rank, url in enumerate((failing.url, teacher_server.url))
+        ]
+        ranks = TwoRanks(timeout=30)
+        monkeypatch.setattr(collective, "gather_counts", ranks.gather_counts)
+        errors = [None, None]
+
+        def run(rank):
+            ranks.local.rank = rank
+            try:
+                trainers[rank].train()
+            except BaseException as error:  # noqa: BLE001 (checked below, in the test's thread)
+                errors[rank] = error
+                return  # (not aborting the barrier, which the other rank may still be leaving after a shared gather)
+            ranks.barrier.abort()  # a rank done makes no more gathers: one the other still makes fails at once
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert isinstance(errors[0], TeacherServerError) and "rejected scoring: HTTP 400" in str(errors[0]), errors
+    assert isinstance(errors[1], TeacherServerError), errors  # not a broken barrier: a hang under real ranks
+    assert "process 0: a request to the teacher server failed" in str(errors[1])
+    assert [trainer.state.global_step for trainer in trainers] == [0, 0]

@@ -11,7 +11,7 @@ from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.lens.compute import matmul_parameters
-from trl_statelens.opd.cache import CACHE_AGE
+from trl_statelens.opd.cache import CACHE_SLOT
 from trl_statelens.reports.run_folders import load_run
 from trl_statelens.reports.states_data import page_data
 
@@ -166,7 +166,7 @@ def test_a_reused_step_trains_on_the_cached_teacher_signal(tmp_path, student_pat
     trainer._compute_loss = watched
     trainer.train()
     (first, loss_1, kl_1), (again, loss_2, kl_2), (_, _, kl_3) = seen
-    assert again is first and again[CACHE_AGE] == 1
+    assert again is first and again[CACHE_SLOT].age == 1
     assert torch.equal(loss_1, loss_2) and kl_1 == kl_2
     fresh = {key: value for key, value in first.items() if not key.startswith("teacher_cache")}
     if signal == "reverse_kl":

@@ -75,16 +75,30 @@ def check_prompt_lengths(dataset, tokenizer, context: int | None, completion_len
     """Every prompt plus `completion_length` tokens after it fits in the model's context."""
     if context is None or not hasattr(dataset, "__len__") or "prompt" not in (dataset.column_names or ()):
         return
-    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in dataset["prompt"]]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    check_lengths(dataset["prompt"], tokenizer, context, completion_length, what)
+
+
+def check_lengths(
+    prompts: list,
+    tokenizer,
+    context: int,
+    completion_length: int,
+    what: str,
+    kind: str = "prompt(s)",
+    fix: str = "Filter or shorten those prompts",
+) -> None:
+    """`prompts` (texts or conversations, through the chat template as the trainers apply it), each plus
+    `completion_length` tokens after it, fit the model's `context`; `kind` and `fix` word the error."""
+    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in prompts]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else [0]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + completion_length > context:
         too_long = sum(length + completion_length > context for length in lengths)
         raise ValueError(
-            f"{what}: {too_long} prompt(s) do not fit the model's context of {context} tokens with "
+            f"{what}: {too_long} {kind} do not fit the model's context of {context} tokens with "
             f"{completion_length} tokens after them (max_completion_length, plus continuation_length for OPD "
-            f"continuations; the longest prompt, row {longest}, has {lengths[longest]} tokens). Filter or shorten "
-            "those prompts, or generate fewer tokens."
+            f"continuations; the longest {kind.removesuffix('(s)')}, row {longest}, has {lengths[longest]} tokens). "
+            f"{fix}, or generate fewer tokens."
         )
 
 

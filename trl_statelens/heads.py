@@ -129,6 +129,7 @@ def divergence_and_token_logps(
     beta: float,
     normalizer,
     temperature: float = 1.0,
+    teacher_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> Divergence:
     """TRL's exact generalised JSD between the student's and the teacher's next-token distributions over the full
     vocabulary, computed as `DistillationTrainer`'s `_chunked_divergence_loss` computes it (summed over the positions
@@ -141,11 +142,16 @@ def divergence_and_token_logps(
         loss_mask (`torch.Tensor`): `(B, T)`, non-zero at the positions the loss sums.
         token_mask (`torch.Tensor`): `(B, T)`, non-zero where the per-token values are wanted too (the completion:
             the metrics read the tokens the student sampled, supervised or not).
+        teacher_head (`tuple`, *optional*): the teacher's output layer as `(weight, bias)`, read where the teacher's
+            weights were in place (a self teacher sharing the student's module: [`SelfTeacher`]); by default
+            `teacher.get_output_embeddings()`'s. The student's is always read here, as it is now.
     """
     weights, biases = [], []
-    for model, hidden in ((student, student_hidden), (teacher, teacher_hidden)):
-        head = model.get_output_embeddings()
-        weight, bias = head.weight, head.bias
+    for model, hidden, head in ((student, student_hidden, None), (teacher, teacher_hidden, teacher_head)):
+        if head is None:
+            layer = model.get_output_embeddings()
+            head = layer.weight, layer.bias
+        weight, bias = head
         if isinstance(weight, DTensor):  # FSDP2: one gather for every chunk, as `_chunked_divergence_loss` does
             weight = weight.full_tensor().to(hidden.dtype)
             bias = bias.full_tensor() if bias is not None else None

@@ -45,9 +45,9 @@ from self_distill_study import smoothed
 from study_lab import run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trl_statelens.answers import clean_format, repeats_itself
 from trl_statelens.data import chat_prompt
 from trl_statelens.evaluation import evaluate_model, paired_interval
-from trl_statelens.evaluation.answer_shape import clean_format, repeats_itself
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
 from trl_statelens.reports.runs import resolve_model
@@ -315,7 +315,7 @@ def reference_nll(model_path: str, folder: Path, smoke: bool) -> dict[str, float
 def arm_scores(items: Path, nll: dict | None) -> dict[str, dict[str, float]]:
     """Per-item scores of one model from its `.items.jsonl`, read once: `{metric: {question: score}}`. `format` is
     the pre-registered metric (a `#### N` anywhere); `clean` and `repeats` are its guards, defined in
-    `trl_statelens.evaluation.answer_shape` (one `#### N` line and nothing after it; a loop). Both were added after
+    `trl_statelens.answers` (one `#### N` line and nothing after it; a loop). Both were added after
     the runs (the first `repeats` counted only a second `####`; the 2026-12-04 correction in STUDY.md)."""
     lines = [json.loads(line) for line in items.read_text().splitlines()]
     gsm8k = [line for line in lines if line["task"] == "gsm8k"]

@@ -16,7 +16,7 @@ Each teacher view is what a self teacher with that `TEMPLATES` entry as its `tea
 Dev problems: GSM8K train rows held out from training (`real_splits`); the test split is not read. Prints and writes
 `teacher_advantage.json`: per view, strict (`#### N`) and flexible (last number) accuracy, the share of answers with
 a `#### N` line (what lm-eval's strict-match reads), the clean-format and loop shares
-(`trl_statelens.evaluation.answer_shape`), the mean answer length in tokens, and what the view wants after a final
+(`trl_statelens.answers`), the mean answer length in tokens, and what the view wants after a final
 answer: the probability of the end-of-turn token right after `N` of the view's own `#### N` answers
 (`end_prob_own`, mean over those answers) and after `N` of each problem's reference solution (`end_prob_reference`).
 """
@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_statelens.answers import STRICT_PATTERN, extract_answer
+from trl_statelens.answers import STRICT_PATTERN, clean_format, extract_answer, repeats_itself
 from trl_statelens.data import chat_prompt, pick_shots, read_gsm8k_rows
 from trl_statelens.data import shots_context as format_shots
-from trl_statelens.evaluation.answer_shape import clean_format, repeats_itself
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
 from trl_statelens.reports.runs import resolve_model

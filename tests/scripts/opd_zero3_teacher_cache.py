@@ -26,7 +26,7 @@ from datasets import Dataset  # noqa: E402
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback  # noqa: E402
 from trl_statelens.lab import LabWorld, format_plain  # noqa: E402
-from trl_statelens.opd.cache import SAMPLING_LOGPS, staleness_mask, staleness_terms  # noqa: E402
+from trl_statelens.opd.cache import CACHE_SLOT, staleness_mask, staleness_terms  # noqa: E402
 from trl_statelens.opd.rollouts import LEARNER  # noqa: E402
 
 torch.set_num_threads(1)
@@ -54,29 +54,29 @@ for signal, max_staleness in (("reverse_kl", 1e-9), ("divergence", 1e9)):
         callbacks=[StateLoggingCallback(sample_rate=1.0)],
     )
     cache, decisions = trainer.teacher_cache, []
-    serves_from_cache = cache.serves_from_cache
+    advance_or_refresh = cache.advance_or_refresh
 
     @torch.no_grad()
-    def own_staleness(trainer=trainer):
+    def own_staleness(buffered, trainer=trainer):
         """This rank's staleness alone (its forwards are collective: both ranks make them, on the same steps)."""
         sums = torch.zeros(3)
-        for inputs in trainer._buffered_inputs:
+        for inputs in buffered:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             logps, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, ids, mask, inputs["completion_ids"].size(1)
             )
-            sums += staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, LEARNER)).cpu()
+            sums += staleness_terms(inputs[CACHE_SLOT].sampling_logps, logps, staleness_mask(inputs, LEARNER)).cpu()
         return (sums[0] / sums[2]).item()
 
-    def recording(cache=cache, serves_from_cache=serves_from_cache, decisions=decisions, own=own_staleness):
-        checks = cache.age is not None and cache.trainer._buffered_inputs is not None and cache.age + 1 < cache.steps
-        mine = own() if checks else None
-        served = serves_from_cache()
+    def recording(buffered, cache=cache, advance=advance_or_refresh, decisions=decisions, own=own_staleness):
+        checks = cache.age is not None and buffered is not None and cache.age + 1 < cache.steps
+        mine = own(buffered) if checks else None
+        served = advance(buffered)
         decisions.append({"refreshed": cache.refreshed, "measured": cache.measured, "own": mine, "served": served})
         return served
 
-    cache.serves_from_cache = recording
+    cache.advance_or_refresh = recording
     forwards = [0]
     decoder = trainer.accelerator.unwrap_model(trainer.teacher.model).get_decoder()
     decoder.register_forward_hook(lambda *args, forwards=forwards: forwards.__setitem__(0, forwards[0] + 1))

@@ -10,12 +10,13 @@ from ..answers import (
     EXTRACTION_MODES,
     LM_EVAL_INVALID,
     answers_match,
+    clean_format,
     extract_answer,
     lm_eval_exact_match,
     lm_eval_extract,
+    repeats_itself,
 )
 from ..data import GSM8K_HUB_ID, PROMPT_FORMATS, gsm8k_example, pick_shots, read_gsm8k_rows, shots_for
-from .answer_shape import clean_format, repeats_itself
 from .protocols import SUBSET_RULES, check_protocol
 from .scoring import greedy_generate, mean, model_device, subset_rows
 

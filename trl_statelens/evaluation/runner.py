@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..provenance import provenance
 from .gsm8k import GSM8KTask
 from .mmlu import MMLUTask
 from .protocols import check_protocol
@@ -143,7 +144,9 @@ def evaluate_model(
 
     Returns:
         ``{"model", "protocol", "scores": {task: primary metric}, "metrics": {task: {...}}, "settings": {task:
-        {...}}, "records": {task: [...]}, ...}``; ``settings`` holds every setting each task used.
+        {...}}, "records": {task: [...]}, "provenance", ...}``; ``settings`` holds every setting each task used,
+        ``provenance`` the code, library versions and a hash of the evaluated model's weights as evaluated
+        (:func:`trl_statelens.provenance.provenance`, role ``"model"``).
     """
     started = time.perf_counter()
     task_objects = build_tasks(
@@ -164,6 +167,7 @@ def evaluate_model(
         if tokenizer is None:
             raise ValueError("evaluate_model got a model object without a tokenizer: pass tokenizer=...")
     by_name = {t.name: t for t in task_objects}
+    record = provenance({"model": model})  # before any task: the weights as evaluated
 
     def summary(outputs: dict) -> dict:
         return {
@@ -178,6 +182,7 @@ def evaluate_model(
             "seed": seed,
             "context_window": context_window(model, tokenizer),  # longer prompts keep their last tokens
             "elapsed_s": round(time.perf_counter() - started, 1),
+            "provenance": record,
             **(extra or {}),
         }
 

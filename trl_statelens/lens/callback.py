@@ -8,11 +8,13 @@ import math
 import statistics
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 
-from .compute import FLOPS_PARTS, ComputeCounter, cache_counts, ledger_totals, tokens_seen
+from .. import collective
+from ..provenance import write_run_provenance
+from .compute import FLOPS_PARTS, ComputeCounter, cache_counts, ledger_totals, teacher_generation, tokens_seen
 from .drift import PrefixFeatures, probe_drift
+from .endings import ending_metrics
 from .probes import DRIFT_REFERENCE_FILE, ProbeMixin
 from .recorder import StateRecorderMixin
 from .records import aggregate_states, has_spread, prefix_len_histogram
@@ -98,7 +100,10 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
     - `drift.jsonl`: one line per probe step with the four drift distances, `base_kl`, `base_kl_topk` and the
       number of probe states;
     - `drift_reference.json`: the step-0 probe completions and what the step-0 policy gives their tokens
-      (`base_policy`), so a resumed run measures drift and `base_kl` against the same reference.
+      (`base_policy`), so a resumed run measures drift and `base_kl` against the same reference;
+    - `provenance.json`: what the run ran with, written at its start: the package's commit and uncommitted changes,
+      the library versions and a hash of each model's weights ([`~trl_statelens.provenance.provenance`]); a resumed
+      run appends its own record to `resumed`.
 
     A run resumed from a checkpoint drops the ledger lines after the checkpoint's step, so each step appears once.
 
@@ -126,8 +131,10 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
         max_flops (`float`, *optional*):
             Stop training after the first optimizer step at which the run's training FLOPs so far
             (`flops_total/total`, counted as `results.json`'s `compute`) reach this: a baseline run at the compute of
-            another run, whatever its tokens per step. `max_steps` still applies. Needs a StateLens trainer and a
-            known total (not a served teacher, whose size this process cannot know).
+            another run, whatever its tokens per step; the main process's count decides, for every process (a
+            resumed run's every process counts on from the totals the main process reads back from its ledger).
+            `max_steps` still applies. Needs a StateLens trainer and a known total (not a served teacher, whose size
+            this process cannot know).
     """
 
     def __init__(
@@ -184,11 +191,15 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
             self._check_no_ledger_on_every_rank(state)
         if state.is_world_process_zero:
             self._prepare_ledger(resumed_at=state.global_step)
+            write_run_provenance(self.ledger_dir, self.trainer, step=state.global_step)  # code, versions, weights
             if self.records_states:  # a resumed run counts on from its ledger (the main process's, which logs)
                 steps = self.ledger_dir / "steps.jsonl"
                 if steps.exists():
                     self._totals = ledger_totals([json.loads(line) for line in steps.read_text().splitlines()])
         if self.records_states:
+            # Every rank counts on from the main process's totals: a rank counting from none would reach `max_flops`
+            # at another step than the others, and stop (or train on) alone
+            self._totals = collective.from_main_process(self.trainer.accelerator, self._totals)
             self._flops_so_far = self._flops()
         if self.max_flops is not None and (not self.records_states or self._flops_so_far["total"] is None):
             raise ValueError(
@@ -207,11 +218,16 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
             groups = self.trainer._collect_reward_groups()
             if groups:
                 metrics["reward_groups/spread_frac"] = statistics.mean(has_spread(g["rewards"]) for g in groups)
+            metrics.update(self.trainer._collect_rollout_endings())  # a collective: on every rank
             metrics.update(self.trainer._step_trace())  # before the accounting, which reads its counts
             metrics.update(self._accounting(metrics))
             self._log_metrics(metrics)
-            if self.max_flops is not None and metrics["flops_total/total"] >= self.max_flops:
-                control.should_training_stop = True  # the same count on every rank: all of them stop here
+            # One decision, the main process's, on every rank: a rank that stopped alone would leave the others
+            # waiting in the next step's collectives
+            if self.max_flops is not None and collective.from_main_process(
+                self.trainer.accelerator, metrics["flops_total/total"] >= self.max_flops
+            ):
+                control.should_training_stop = True
             if state.is_world_process_zero:
                 line = {"step": state.global_step, "epoch": state.epoch, **metrics}
                 line["prefix_len_hist"] = prefix_len_histogram(records)
@@ -222,6 +238,7 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
             completions = self._sample_probes()
             states = PrefixFeatures(completions)
             drift = probe_drift(self._reference_features, states)
+            drift.update(ending_metrics(self._probe_end_kinds, completions, "ends_"))
             by_prefix = None
             if self._has_teacher():
                 own, by_prefix = self._teacher_disagreement(completions)
@@ -245,6 +262,7 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
             totals.get("teacher_context_tokens", 0.0),
             totals.get("teacher_skipped_tokens", 0.0),
             cache_counts(totals),
+            teacher_generation(totals),
         )
 
     def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:
@@ -283,8 +301,7 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
                 check_no_ledger(self.ledger_dir.parent)
             except ValueError as error:
                 refusal = str(error)
-        if self.trainer.accelerator.num_processes > 1:
-            refusal = broadcast_object_list([refusal])[0]
+        refusal = collective.from_main_process(self.trainer.accelerator, refusal)
         if refusal is not None:
             raise ValueError(refusal)
 

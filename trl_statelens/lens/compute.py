@@ -18,6 +18,8 @@ LEDGER_COUNTS = (
     "cache_reused_tokens",
     "cache_reused_completion_tokens",
     "cache_checked_tokens",
+    "teacher_generation_prompt_tokens",
+    "teacher_written_tokens",
 )  # per-step counts the run sums
 
 
@@ -82,6 +84,12 @@ class ComputeCounter:
 
     Per rollout token: the student samples it (2 N_S, `student_generation`), is trained on it (6 N_S) and, in GRPO
     with `beta` > 0, the reference scores it (2 N_S; both `student_training`); a teacher scores it (2 N_T, `teacher`).
+    A rollout of a `teacher` state (`state_source_mix`) is the teacher's to write before it scores it: its forward over
+    the rollout's prompt (the teacher's own prompt: a self teacher's holds the privileged context) and one forward per
+    token it writes, 2 N_T per token each (`teacher_generation_prompt_tokens` and `teacher_written_tokens`, the
+    ledger's counts, [`teacher_generation`]), on top of its scoring. (The student's generation is counted at the
+    rollouts' lengths: for a row whose state the teacher or the dataset gives, at the length of what replaced the
+    student's sample, not of the sample it threw away.)
     The `continuation` signal is counted as if the whole rollout stayed (an upper bound: the cut drops part of it):
     the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout token and per supervised
     token), scores them (the same again) and the student trains on them (6 N_S). A trainer that does not sample (SFT)
@@ -139,12 +147,15 @@ class ComputeCounter:
         teacher_context: float = 0.0,
         teacher_skipped: float = 0.0,
         cache: dict | None = None,
+        teacher_generation: float = 0.0,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
         counts them), `supervised` tokens, `teacher_context` tokens (a self teacher's, `teacher_context_tokens`) and
         `teacher_skipped` tokens (of the rollouts the teacher did not score, `teacher_skipped_tokens`); `totals`, the
         ledger's summed counts, weigh teachers of several sizes; `cache`, the teacher cache's counts
-        (`cache_reused_tokens`, `cache_reused_completion_tokens`, `cache_checked_tokens`: [`cache_counts`])."""
+        (`cache_reused_tokens`, `cache_reused_completion_tokens`, `cache_checked_tokens`: [`cache_counts`]);
+        `teacher_generation`, the tokens of the teacher's forwards writing `teacher` states ([`teacher_generation`],
+        2 N_T each)."""
         student, teacher, cache = self.student, self.teacher(totals), cache or {}
         teacher_reads = tokens + teacher_context - teacher_skipped
         parts = {
@@ -156,6 +167,7 @@ class ComputeCounter:
         parts["student_training"] += 6 * student * reused + 2 * student * checked
         if parts["teacher"] is not None:
             parts["teacher"] += 2 * self.teacher_head * cache.get("cache_reused_completion_tokens", 0.0)
+            parts["teacher"] += 2 * teacher * teacher_generation
         if self.continuation:
             parts["student_training"] += 6 * student * supervised
             if teacher is not None:
@@ -179,6 +191,12 @@ def _cached_teacher_head(trainer) -> int:
 def cache_counts(totals: dict) -> dict[str, float]:
     """The teacher cache's counts among the ledger's `totals`, for [`ComputeCounter.split`]'s `cache`."""
     return {key: value for key, value in totals.items() if key.startswith("cache_")}
+
+
+def teacher_generation(totals: dict) -> float:
+    """The tokens of the teacher's forwards writing `teacher` states among the ledger's `totals` (the rollouts'
+    prompts and the tokens written), for [`ComputeCounter.split`]'s `teacher_generation`."""
+    return totals.get("teacher_generation_prompt_tokens", 0.0) + totals.get("teacher_written_tokens", 0.0)
 
 
 def ledger_totals(lines: list[dict]) -> dict[str, float]:

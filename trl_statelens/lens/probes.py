@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 from trl.models.utils import unwrap_model_for_generation
 
 from ..checks import check_probe_lengths, context_length
+from .endings import answer_end_position, end_kinds, end_token_ids, mean_or_nan
 
 logger = logging.getLogger(__name__)
 
@@ -104,22 +105,29 @@ class ProbeMixin:
         ):
             was_training = model.training
             model.eval()
-            output = model.generate(**inputs, generation_config=self._probe_generation_config(model))
+            config = self._probe_generation_config(model)
+            output = model.generate(**inputs, generation_config=config)
             model.train(was_training)
-        return tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
+        completion_ids = output[:, inputs["input_ids"].size(1) :]
+        # how each probe ended (`lens.endings`), read by the step's `drift/ends_*` and the teacher's end view
+        pad, ends = tokenizer.pad_token_id, end_token_ids(tokenizer, model)
+        kept = completion_ids != pad if pad not in (None, *ends) else torch.ones_like(completion_ids).bool()
+        self._probe_end_kinds = end_kinds(completion_ids, kept, ends, config.max_new_tokens)
+        return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     # ----- teacher disagreement on probe states ----------------------------------------------------------------------
     def _has_teacher(self) -> bool:
         return probe_teacher_model(self.trainer) is not None
 
     @torch.no_grad()
-    def _score_completions(self, completions: list[str], with_teacher: bool):
+    def _score_completions(self, completions: list[str], with_teacher: bool, with_end: bool = False):
         """Score each probe prompt followed by its completion with the current policy (and the teacher): yields, per
         completion, its token ids and the `(tokens, vocabulary)` log-probs each model gives at its positions, at the
         trainer's sampling temperature, over the tokenizer's ids (a padded head's extra rows left out).
 
         Every rank scores the same rows (ZeRO-3 forwards are collective); four rows at a time bound the
-        `(rows, length, vocabulary)` logits.
+        `(rows, length, vocabulary)` logits. `with_end`: each completion also yields the student's and the teacher's
+        log-prob of ending (any end token) at each of its `len + 1` states, the last one after its final token.
         """
         trainer = self.trainer
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
@@ -129,6 +137,7 @@ class ProbeMixin:
         student = trainer.model
         student_was_training = student.training
         student.eval()
+        end_ids = torch.tensor(end_token_ids(tokenizer, student), device=device)
         try:
             for start in range(0, len(prompts), 4):
                 rows = []
@@ -154,23 +163,46 @@ class ProbeMixin:
                 for i, (p, c) in enumerate(rows):
                     # the token at position len(p) + k is predicted from position len(p) + k - 1
                     span = slice(len(p) - 1, len(p) + len(c) - 1)
-                    yield (
+                    scored = (
                         torch.tensor(c, dtype=torch.long, device=device),
                         student_logps[i, span],
                         None if teacher_logps is None else teacher_logps[i, span],
                     )
+                    if with_end:
+                        states = slice(len(p) - 1, len(p) + len(c))
+                        ending = [
+                            None if logps is None else logps[i, states][:, end_ids].logsumexp(-1)
+                            for logps in (student_logps, teacher_logps)
+                        ]
+                        scored = (*scored, *ending)
+                    yield scored
         finally:
             student.train(student_was_training)
 
     def _teacher_disagreement(self, completions: list[str]) -> tuple[dict[str, float], list[list[float]]]:
         """Exact reverse KL of the student from the teacher at every token of the probe completions (each probe
-        prompt followed by its completion), overall, by token kind and by prefix-length bin."""
-        return self._teacher_kl_metrics(
-            [
-                (token_ids.cpu(), reverse_kl(student, teacher))
-                for token_ids, student, teacher in self._score_completions(completions, with_teacher=True)
-            ]
-        )
+        prompt followed by its completion), overall, by token kind and by prefix-length bin; and the teacher's view
+        of the end (`lens.endings`): its log-prob of ending right after each completion's final-answer line (the
+        student's beside it) and after the completions that ended with the end token."""
+        tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+        kinds = getattr(self, "_probe_end_kinds", None) or [None] * len(completions)
+        scored, after_answer, student_after_answer, at_end = [], [], [], []
+        for kind, (token_ids, student, teacher, student_end, teacher_end) in zip(
+            kinds, self._score_completions(completions, with_teacher=True, with_end=True)
+        ):
+            scored.append((token_ids.cpu(), reverse_kl(student, teacher)))
+            answered = answer_end_position(tokenizer.batch_decode(token_ids[:, None]))
+            if answered is not None:
+                after_answer.append(teacher_end[answered].item())
+                student_after_answer.append(student_end[answered].item())
+            if kind == "end_token":
+                at_end.append(teacher_end[-1].item())
+        metrics, by_prefix = self._teacher_kl_metrics(scored)
+        metrics["teacher_end/logp_after_answer"] = mean_or_nan(after_answer)
+        metrics["student_end/logp_after_answer"] = mean_or_nan(student_after_answer)
+        metrics["teacher_end/logp_at_end"] = mean_or_nan(at_end)
+        metrics["answer_frac"] = len(after_answer) / max(len(completions), 1)
+        return metrics, by_prefix
 
     def _reference_divergences(self) -> dict[str, float]:
         """`base_kl` and `base_kl_topk` on the step-0 completions, and `teacher_kl/exact_fixed` there with a teacher: one

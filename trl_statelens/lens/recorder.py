@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import collective
+from ..answers import repeats_itself
+from .endings import end_kinds, end_token_ids
 from .records import SELECTION_FIELDS, STATE_SOURCES, StateRecords, source_code
+from .step_counts import StepCounts
 
 
 def _per_row(value, batch_size: int, seq_len: int, device, dtype) -> torch.Tensor:
@@ -57,24 +60,37 @@ class StateRecorderMixin:
     _state_sequences_in_step: int = 0
     # With several teachers, their names, the same on every rank: each row's teacher is recorded as its index here
     state_teacher_names: tuple[str, ...] = ()
-    # A trainer with a teacher sets it to 0: the positions its teacher scored or wrote on this rank since the last
-    # collection (`_count_teacher_tokens`)
-    _teacher_tokens: int | None = None
-    # The tokens a self teacher's prompts held beyond the student's on this rank since the last collection: the
-    # privileged context it reads at every position it scores (`_count_teacher_context`)
-    _teacher_context_tokens: int = 0
+    # A trainer with a teacher sets it: this rank's counts of the optimizer step in progress, among them the positions
+    # its teacher scored or wrote (`teacher_tokens`: `_count_teacher_tokens`) and the tokens a self teacher's prompts
+    # held beyond the student's, the privileged context it reads at every position it scores
+    # (`teacher_context_tokens`: `_count_teacher_context`)
+    step_counts: StepCounts | None = None
 
     def _collect_reward_groups(self) -> list[dict]:
         """The groups of rollouts since the last call, each `{"prompt_id", "rewards", ...}`; GRPO's (every rank holds
         all of them). Trainers without reward groups have none."""
         return []
 
+    def _collect_rollout_endings(self) -> dict[str, float]:
+        """`ends/*`: how this step's rollouts ended (`lens.endings`); trainers that sample no rollouts have none."""
+        return {}
+
+    def _sample_ending(self, completion_ids: torch.Tensor) -> dict:
+        """A ledger sequence's end (`lens.endings.END_KINDS`) and whether it repeats itself, for trainers that sample
+        their completions (a `max_completion_length`); nothing for SFT's dataset states."""
+        limit = getattr(self.args, "max_completion_length", None)
+        if limit is None or not len(completion_ids):
+            return {}
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        kind = end_kinds(completion_ids[None], torch.ones_like(completion_ids[None]), end_token_ids(tokenizer), limit)
+        text = tokenizer.decode(completion_ids, skip_special_tokens=True)
+        return {"end": kind[0], "repeats": repeats_itself(text)}
+
     def _start_state_recording(self) -> None:
         self._state_buffer = []
         self._state_sequences_in_step = 0
-        if self._teacher_tokens is not None:
-            self._teacher_tokens = 0
-        self._teacher_context_tokens = 0
+        if self.step_counts is not None:
+            self.step_counts.clear()
 
     @torch.no_grad()
     def _record_states(
@@ -225,15 +241,17 @@ class StateRecorderMixin:
         collectives is never passed) as teacher work of the current optimizer step: the positions it scores (each
         completion it is asked for log-probs of or a distribution over, prompt tokens not counted) or writes (a
         `teacher` state source's rollout, a `continuation`). Training only."""
-        if self._teacher_tokens is not None and self.model.training:
-            self._teacher_tokens += sum(len(row) for row in rows)
+        if self.step_counts is not None and self.model.training:
+            self.step_counts.add(teacher_tokens=sum(len(row) for row in rows))
 
     def _count_teacher_context(self, teacher_prompts: list[list[int]], student_prompts: list[list[int]]) -> None:
         """Count how many more tokens the teacher's prompts hold than the student's (this rank's rows; none unless the
         teacher reads its own prompts, as a self teacher does): its forward runs over them too, which the FLOPs count
         (`ComputeCounter`) adds to the rollout tokens. Training only."""
-        if self.model.training:
-            self._teacher_context_tokens += sum(len(t) - len(s) for t, s in zip(teacher_prompts, student_prompts))
+        if self.step_counts is not None and self.model.training:
+            self.step_counts.add(
+                teacher_context_tokens=sum(len(t) - len(s) for t, s in zip(teacher_prompts, student_prompts))
+            )
 
     def _collect_state_records(self, sample_rate: float, seed: int = 0) -> StateRecords:
         """The records of the optimizer step that just ended, from every rank; clears the buffer.
@@ -255,11 +273,10 @@ class StateRecorderMixin:
                 records.samples = self._sample_sequences(part, chosen.nonzero().flatten().tolist(), step, rank)
             parts.append(records)
         records = StateRecords.cat(parts).gather(accelerator)
-        if self._teacher_tokens is not None:
-            records.teacher_tokens = sum(collective.gather_counts(accelerator, self._teacher_tokens))
-            self._teacher_tokens = 0
-            records.teacher_context_tokens = sum(collective.gather_counts(accelerator, self._teacher_context_tokens))
-            self._teacher_context_tokens = 0
+        if self.step_counts is not None:
+            tokens, context = self.step_counts.take("teacher_tokens", "teacher_context_tokens")
+            records.teacher_tokens = sum(collective.gather_counts(accelerator, tokens))
+            records.teacher_context_tokens = sum(collective.gather_counts(accelerator, context))
         return records
 
     def _sample_sequences(self, part: _MicroBatchStates, indices: list[int], step: int, rank: int) -> list[dict]:
@@ -314,6 +331,7 @@ class StateRecorderMixin:
                     "entropy": records.entropy[tokens].tolist(),
                     "teacher_logp": None if torch.isnan(teacher).all() else teacher.tolist(),
                     "weight": records.weight[tokens].tolist(),
+                    **self._sample_ending(completion_ids),
                 }
             )
         return samples

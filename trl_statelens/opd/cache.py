@@ -5,8 +5,9 @@ With `teacher_cache_steps=K > 1`, [`OnPolicyDistillTrainer`] samples a generatio
 (a *refresh*), then trains on the same micro-batches for up to `K` optimizer steps without sampling or asking the
 teacher again: `reverse_kl` reuses the per-token teacher log-probs `teacher.score` returned (in-process or served),
 a served teacher's `divergence` its top-k rows, and an in-process teacher's `divergence` the teacher's final hidden
-states at the completion positions, kept by the first pass's loss ([`InProcessTeacher.divergence_loss`]); on a
-reused step only the teacher's output layer projects them again (the kernel never holds the `(B, T, V)` logits).
+states at the completion positions, kept by the first pass's loss ([`InProcessTeacher.divergence_loss`]) in the
+micro-batch's [`CacheSlot`]; on a reused step only the teacher's output layer projects them again (the kernel never
+holds the `(B, T, V)` logits).
 
 The cache is refreshed early when the student has moved too far from the policy that sampled it: the *staleness*,
 a sampled estimate of KL(p_sampling || p_current) over the cached rollouts' sampled completion tokens, is measured
@@ -28,9 +29,11 @@ from __future__ import annotations
 import torch
 
 from .. import collective
-from ..teachers.base import CACHE_AGE  # each micro-batch's age: 0 on a refresh, n on its n-th reuse
+from ..teachers.base import CACHE_SLOT, CacheSlot  # each micro-batch's entry: its age, what is kept for its reuses
 
-SAMPLING_LOGPS = "teacher_cache_sampling_logps"  # the sampling policy's log-probs of the completion tokens (B, T)
+# This rank's sums of an optimizer step in `trainer.step_counts` (`lens.step_counts.StepCounts`), one float tensor:
+# the k3 and k1 sums and their tokens (all ranks); the reused, reused completion and checked tokens (this rank's)
+CACHE_COUNTS = "teacher_cache"
 REFRESH_REASONS = ("first", "age", "staleness")
 
 
@@ -52,7 +55,8 @@ def staleness_mask(inputs: dict, learner_code: int) -> torch.Tensor:
 
 class TeacherCache:
     """Decides at each optimizer step's first micro-batch whether the trainer reuses its buffered generation batch
-    (`GRPOTrainer._buffered_inputs`) or refreshes it, and keeps the step's account for the ledger ([`step_trace`]).
+    (`GRPOTrainer._buffered_inputs`) or refreshes it ([`advance_or_refresh`]), gives each micro-batch its slot
+    ([`attach`]), and counts the step for the ledger ([`step_trace`]) in the trainer's `step_counts`.
 
     Every rank makes the same decision: the age is the same everywhere, and the staleness is summed over the ranks
     before it is compared.
@@ -65,22 +69,23 @@ class TeacherCache:
         self.age: int | None = None  # of the buffered batch; None: no batch yet (a new or resumed run)
         self.refreshed: str | None = None  # why this step refreshed (`REFRESH_REASONS`), None when it reused
         self.measured: float | None = None  # the staleness measured before this step's decision (all ranks)
-        # k3 and k1 sums and their tokens (all ranks); reused, reused completion and checked tokens (this rank's)
-        self._step_sums = torch.zeros(6)
 
-    def serves_from_cache(self) -> bool:
-        """At a step's first micro-batch (GRPO's `_step` at a generation boundary): whether the buffered batch is
-        reused, else it is dropped so that GRPO samples and scores a new one. Called on every rank."""
-        trainer = self.trainer
+    def advance_or_refresh(self, buffered: list[dict] | None) -> bool:
+        """At a step's first micro-batch (GRPO's `_step` at a generation boundary), on every rank: advance the cache
+        to this step, which reuses the buffered generation batch `buffered` (GRPO's `_buffered_inputs`; returns
+        True, the batch one step older), or refresh it (returns False: the trainer drops `buffered`, so that GRPO
+        samples and scores a new batch; age 0). Before a reuse within the age limit, with
+        `teacher_cache_max_staleness`, it measures the staleness: a no-grad forward of the student over every
+        micro-batch of `buffered`, and a collective."""
         self.measured = None
-        if self.age is None or trainer._buffered_inputs is None:
+        if self.age is None or buffered is None:
             reason = "first"
         elif self.age + 1 >= self.steps:
             reason = "age"
         else:
             reason = None
             if self.max_staleness is not None:
-                self.measured = self._measure_staleness()
+                self.measured = self._measure_staleness(buffered)
                 if self.measured > self.max_staleness:
                     reason = "staleness"
         self.refreshed = reason
@@ -88,44 +93,58 @@ class TeacherCache:
             self.age += 1
             return True
         self.age = 0
-        trainer._buffered_inputs = None
         return False
 
+    def attach(self, inputs: dict) -> None:
+        """Give a training micro-batch of this step its slot (`CACHE_SLOT`): a new one on a refresh, its own one step
+        older on a reuse."""
+        slot = inputs.get(CACHE_SLOT)
+        if self.age == 0 or slot is None:
+            inputs[CACHE_SLOT] = CacheSlot(self.age)
+        else:
+            slot.age = self.age
+
     @torch.no_grad()
-    def _measure_staleness(self) -> float:
+    def _measure_staleness(self, buffered: list[dict]) -> float:
         """The staleness of the buffered batch under the current student (a no-grad forward over each micro-batch,
         on every rank: each rank holds as many), summed over the ranks."""
         trainer = self.trainer
         sums = torch.zeros(3, device=trainer.accelerator.device)
         checked = 0
-        for inputs in trainer._buffered_inputs:
+        for inputs in buffered:
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             logps, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
             )
-            sums += staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, self.learner_code))
+            slot = inputs[CACHE_SLOT]
+            sums += staleness_terms(slot.sampling_logps, logps, staleness_mask(inputs, self.learner_code))
             checked += int(attention_mask.sum())
-        self._step_sums[5] += checked  # this rank's: the ledger gathers them
+        self._count(checked=checked)  # this rank's: the ledger gathers them
         k3, _, count = collective.sum_over_ranks(trainer.accelerator, sums)
         return k3 / count if count else 0.0
 
     def observe(self, inputs: dict, logps: torch.Tensor) -> None:
         """In the loss of a training micro-batch, with the student's log-probs of its completion tokens from the
-        loss's own forward: on a refresh they are the sampling policy's, kept in the batch for the later reuses (the
+        loss's own forward: on a refresh they are the sampling policy's, kept in its slot for the later reuses (the
         staleness is 0 there by definition); on a reuse, the staleness of this micro-batch is added to the step's and
         logged (`teacher_cache/staleness`, all ranks), and its tokens counted as reused."""
-        trainer = self.trainer
-        if inputs[CACHE_AGE] == 0:
-            inputs[SAMPLING_LOGPS] = logps.detach()
-        terms = staleness_terms(inputs[SAMPLING_LOGPS], logps, staleness_mask(inputs, self.learner_code))
+        trainer, slot = self.trainer, inputs[CACHE_SLOT]
+        if slot.age == 0:
+            slot.sampling_logps = logps.detach()
+        terms = staleness_terms(slot.sampling_logps, logps, staleness_mask(inputs, self.learner_code))
         k3, k1, count = collective.sum_over_ranks(trainer.accelerator, terms)
-        self._step_sums[:3] += torch.tensor([k3, k1, count])
+        self._count(k3=k3, k1=k1, tokens=count)
         trainer._metrics["train"]["teacher_cache/staleness"].append(k3 / count if count else 0.0)
         trainer._metrics["train"]["teacher_cache/log_ratio"].append(k1 / count if count else 0.0)
-        if inputs[CACHE_AGE] > 0:
+        if slot.age > 0:
             prompt, completion = int(inputs["prompt_mask"].sum()), int(inputs["completion_mask"].sum())
-            self._step_sums[3:5] += torch.tensor([prompt + completion, completion])
+            self._count(reused=prompt + completion, reused_completion=completion)
+
+    def _count(self, k3=0.0, k1=0.0, tokens=0.0, reused=0, reused_completion=0, checked=0) -> None:
+        """Add to the step's sums (`CACHE_COUNTS`, float32)."""
+        sums = torch.tensor([k3, k1, tokens, reused, reused_completion, checked], dtype=torch.float32)
+        self.trainer.step_counts.add(**{CACHE_COUNTS: sums})
 
     def step_trace(self) -> dict:
         """The optimizer step's ledger fields (on every rank: the token counts are gathered): `cache_age` (0 on a
@@ -136,11 +155,12 @@ class TeacherCache:
         value that triggered it), and the counts the FLOPs read: `cache_reused_tokens` (the prompt and completion tokens
         trained from the cache, all ranks), `cache_reused_completion_tokens` and `cache_checked_tokens` (those the
         staleness check's forward read)."""
-        local = self._step_sums.clone()
+        (sums,) = self.trainer.step_counts.take(CACHE_COUNTS)
+        sums = torch.zeros(6) + sums  # (zeros where nothing was counted)
+        local = sums.clone()
         local[:3] = 0  # already summed over the ranks
         gathered = collective.sum_over_ranks(self.trainer.accelerator, local)
-        k3, k1, count = self._step_sums[:3].tolist()
-        self._step_sums = torch.zeros(6)
+        k3, k1, count = sums[:3].tolist()
         trace = {
             "cache_age": self.age,
             "refreshed": self.refreshed,

@@ -31,7 +31,9 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     `continuation_length` without `continuation`, `teacher_update_rate` without `teacher_model_kind="ema"`,
     `teacher_prompt_template` without a `teacher_model_kind`, `teacher_model_init_kwargs` without a teacher loaded
     from a path, `teacher_top_k` and the `teacher_server_*` settings without a served teacher (checked here where the
-    teacher is known, by the trainer otherwise). A Mixture-of-Experts student's router load-balancing loss
+    teacher is known, by the trainer otherwise), `skip_correct_rollouts` and `teacher_cache_max_staleness` with no
+    `learner` share in `state_source_mix` (only learner rollouts are skipped, only their tokens measure the cache's
+    staleness). A Mixture-of-Experts student's router load-balancing loss
     (`router_aux_loss_coef`, or the model config's) is added to every signal's loss as GRPO adds it. The teacher
     scores the generation batch in chunks of `per_device_train_batch_size` rows (`per_device_eval_batch_size` in
     evaluation), as GRPO scores its reference model. With vLLM, the `reverse_kl` loss applies GRPO's vLLM
@@ -154,8 +156,12 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             without sampling or calling the teacher: `reverse_kl` reuses the teacher's per-token log-probs, a served
             teacher's `divergence` its top-k log-probs, an in-process teacher's `divergence` its final hidden states at
             the completion positions (kept by the refresh step's loss; on a reused step only the teacher's output
-            layer projects them again, counted in the teacher FLOPs). Valid while the student stays close to the
-            policy that sampled the batch (Lightning OPD, arXiv 2604.13010): see `teacher_cache_max_staleness`.
+            layer projects them again, counted in the teacher FLOPs). Those hidden states stay on the device until
+            the next refresh, beside training: on each rank, `gradient_accumulation_steps` micro-batches of
+            `per_device_train_batch_size` x T x H values in the teacher's dtype (T: the micro-batch's padded completion
+            length, up to `max_completion_length`; H: the teacher's hidden size), e.g. 8 x 4 x 8192 x 4096 in bf16,
+            2 GiB. Valid while the student stays close to the policy that sampled the batch (Lightning OPD, arXiv
+            2604.13010): see `teacher_cache_max_staleness`.
             Each step's ledger line says whether it refreshed and why (`refreshed`: `"first"`, `"age"`,
             `"staleness"`, or `None` when served from the cache), the batch's `cache_age` (0 on a refresh) and its
             `teacher_cache/staleness` (also logged by the trainer); each sequence in `states.jsonl` carries
@@ -197,10 +203,12 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
               so with its dropout unless `disable_dropout`);
             - `"ema"`: an exponential moving average of the student's weights (one copy; for a PEFT student, of its
               adapter only), started at the student's and updated after every optimizer step with
-              `teacher_update_rate`; saved in each checkpoint and restored on resume.
+              `teacher_update_rate`; saved in each checkpoint and restored on resume (so refused with
+              `save_only_model=True`, whose checkpoints skip it).
 
             Under DeepSpeed ZeRO-3 the copy of a full-weight student (`"base"`, `"ema"`) is loaded again from the
-            student's path (a student given as an instance is refused there); a PEFT student's `"ema"` is refused.
+            student's path (a student given as an instance is refused there); a PEFT student's `"ema"` is refused, and
+            so is `"ema"` with hpZ, NVMe parameter offload, MiCS or ZeRO++ quantized frozen weights.
 
             The training dataset needs a `privileged_context` column. Every signal and state source works: the teacher
             scores (`reverse_kl`, `divergence`) or writes (`continuation`, the `teacher` state source) after its own

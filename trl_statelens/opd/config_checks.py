@@ -100,13 +100,19 @@ class ConfigChecks:
         from a path or hub id; `None` while the teachers are unknown (the trainer checks again with its
         `teacher_model`)."""
         divergence, maybe_served = self.signal == "divergence", served is not False
+        # State selection skips `learner` rollouts only, and the cache's staleness is measured on `learner` tokens
+        learner = self.state_source_mix.get("learner", 0.0) > 0
         readers = {  # setting: (what reads it, whether this run has that)
             "kl_discount": ("signal='reverse_kl'", self.signal == "reverse_kl"),
             "jsd_beta": ("signal='divergence'", divergence),
             "continuation_length": ("signal='continuation'", self.signal == "continuation"),
+            "skip_correct_rollouts": ("learner states in state_source_mix", learner),
             "correct_reward": ("skip_correct_rollouts=True", self.skip_correct_rollouts),
             "recheck_fraction": ("skip_correct_rollouts=True", self.skip_correct_rollouts),
-            "teacher_cache_max_staleness": ("teacher_cache_steps > 1", self.teacher_cache_steps > 1),
+            "teacher_cache_max_staleness": (
+                "teacher_cache_steps > 1 and learner states in state_source_mix",
+                self.teacher_cache_steps > 1 and learner,
+            ),
             "teacher_update_rate": ("teacher_model_kind='ema'", self.teacher_model_kind == "ema"),
             "teacher_prompt_template": ("a teacher_model_kind", self.teacher_model_kind is not None),
             "teacher_model_init_kwargs": ("a teacher loaded from a path or hub id", loads_a_path is not False),
@@ -255,6 +261,12 @@ class ConfigChecks:
             )
         if not 0.0 < self.teacher_update_rate <= 1.0:
             raise ValueError(f"teacher_update_rate must be in (0, 1], got {self.teacher_update_rate}")
+        if self.teacher_model_kind == "ema" and self.save_only_model:
+            raise ValueError(
+                "teacher_model_kind='ema' with save_only_model=True: the EMA teacher is saved beside the RNG states, "
+                "which save_only_model skips, so no checkpoint could resume the teacher it averaged (a resume would "
+                "start a new average). Leave save_only_model=False, or use teacher_model_kind='base' or 'live'"
+            )
         missing = [p for p in ("{prompt}", "{privileged_context}") if p not in self.teacher_prompt_template]
         if missing:
             raise ValueError(

@@ -6,6 +6,8 @@ the trainer, before `StateLensGRPOTrainer`: the GRPO methods overridden here (`_
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -18,6 +20,7 @@ from ..heads import (
     _completion_logps_and_entropies,
     _head_logps,
 )
+from ..lens.endings import answer_end_position
 from ..lens.records import SKIPPED
 from ..teachers import resolve_rows
 from .rollouts import LEARNER
@@ -31,8 +34,9 @@ class LossMixin:
     def _resolve_teacher_logps(self, inputs: dict) -> torch.Tensor:
         """The teacher's log-prob of each completion token, `(B, T)` like `completion_ids`, 0 where `completion_mask`
         is 0, once the teacher's answer is in (a failed served request raises its `TeacherServerError` here, in the
-        training thread)."""
-        return resolve_rows(inputs["teacher_scores"], inputs["completion_ids"], inputs["completion_mask"]).logps
+        training thread, and every other process raises one with it: called once per micro-batch on every process)."""
+        rows, ids, mask = inputs["teacher_scores"], inputs["completion_ids"], inputs["completion_mask"]
+        return resolve_rows(rows, ids, mask, self.accelerator).logps
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -168,6 +172,14 @@ class LossMixin:
         self._log_teacher_metrics(
             logps.detach(), teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]
         )
+        if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
+            # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
+            ends = torch.isin(completion_ids, torch.tensor(self._end_ids, device=completion_ids.device))
+            at_ends = teacher_logps.detach()[ends & scored & loss_mask.bool()]
+            self._teacher_end_logps += at_ends[torch.isfinite(at_ends)].tolist()
+            self._advantages_after_answer += after_answer_advantages(
+                self._tokenizer, completion_ids, scored & loss_mask.bool(), ends, logps.detach(), teacher_logps
+            )
         if self.model.training:
             align = lambda x: F.pad(x, (prompt_ids.size(1), 0))  # noqa: E731 (completion -> full sequence)
             recorded = loss_mask.bool()
@@ -276,3 +288,25 @@ def _discounted_reverse_cumsum(x: torch.Tensor, gamma: float) -> torch.Tensor:
         running = x[:, t] + gamma * running
         out[:, t] = running
     return out
+
+
+def after_answer_advantages(
+    tokenizer, completion_ids, supervised, ends, logps, teacher_logps
+) -> list[tuple[bool, float]]:
+    """For each rollout that writes a final-answer line, what the sampled-token signal says at the state right after
+    it: whether the student ended there, and the teacher's log-prob of the token it sampled less its own (the
+    per-token advantage of `reverse_kl`). A teacher that rewards going on after `#### N` teaches a loop
+    (`teacher_end/advantage_after_answer_*`, `lens.endings`)."""
+    found = []
+    for row in range(completion_ids.size(0)):
+        kept = supervised[row].nonzero().flatten()
+        if not len(kept):
+            continue
+        pieces = tokenizer.batch_decode(completion_ids[row, : kept[-1] + 1, None])
+        state = answer_end_position(pieces)
+        if state is None or state > kept[-1] or not supervised[row, state]:
+            continue
+        advantage = (teacher_logps[row, state] - logps[row, state]).item()
+        if math.isfinite(advantage):
+            found.append((bool(ends[row, state]), advantage))
+    return found

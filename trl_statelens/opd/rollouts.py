@@ -129,6 +129,7 @@ class RolloutsMixin:
             teachers=[batch.teachers[i] for i in teacher_rows],
         )
         self._count_teacher_tokens(rollouts)
+        self._count_teacher_generation([teacher_prompts[i] for i in teacher_rows], rollouts)
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:

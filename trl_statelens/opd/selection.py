@@ -18,6 +18,10 @@ from ..heads import Divergence, _head_logps
 from ..lens.records import RECHECKED, SCORED, SKIPPED  # a row's selection code, in the batch and the records
 from ..teachers.base import RowScores, TeacherRow, answered
 
+# This rank's counts of an optimizer step in `trainer.step_counts` (`lens.step_counts.StepCounts`), which its ledger
+# line reads: the rollouts skipped as correct, those rechecked, and the prompt and completion tokens of the skipped ones
+SELECTION_COUNTS = ("selection_skipped", "selection_rechecked", "selection_skipped_tokens")
+
 
 def selection_generator(seed: int, rank: int, step: int, batch_in_step: int) -> torch.Generator:
     """The generator of one generation batch's rechecks: a function of where the batch sits in the run only (no state
@@ -78,15 +82,14 @@ def select_and_score(trainer, batch, output: dict) -> list | None:
     (`output["rewards"]`), and start scoring those (`teacher.score`, on every rank, none included: its collectives stay
     matched). Sets the batch's `teacher_selection` (each row's code), its `loss_mask` (a skipped row's is zero) and
     `num_items_in_batch` (the loss's token normaliser, without the skipped rows: all ranks); counts the teacher's
-    tokens (the scored rows' completions) and the selection for the ledger and metrics. Returns the batch's teacher
-    scores: one [`TeacherRow`] per row (a skipped row's holds zeros), or `None` where the teacher computes its
-    distributions within the loss (an in-process `divergence`)."""
-    args = trainer.args
-    step = trainer.state.global_step
-    index = trainer._selection_batch[1] if trainer._selection_batch[0] == step else 0
-    trainer._selection_batch = (step, index + 1)
-    rank = trainer.accelerator.process_index
-    generator = selection_generator(args.seed, rank, step, index)
+    tokens (the scored rows' completions) and the selection in the step's counts (`trainer.step_counts`,
+    `SELECTION_COUNTS`) for the ledger, and logs its shares. Returns the batch's teacher scores: one [`TeacherRow`] per
+    row (a skipped row's holds zeros), or `None` where the teacher computes its distributions within the loss (an
+    in-process `divergence`)."""
+    args, counts = trainer.args, trainer.step_counts
+    counts.add(selection_batches=1)  # the generation batches drawn in this step: this one's index, from 0
+    index = counts.peek("selection_batches") - 1
+    generator = selection_generator(args.seed, trainer.accelerator.process_index, trainer.state.global_step, index)
     eligible = [source == "learner" for source in batch.sources]
     codes = choose_rows(output["rewards"], eligible, args.correct_reward, args.recheck_fraction, generator)
     kept = [i for i, code in enumerate(codes) if code != SKIPPED]
@@ -110,8 +113,9 @@ def select_and_score(trainer, batch, output: dict) -> list | None:
     num_rechecked = codes.count(RECHECKED)
     # What the teacher did not read: each skipped row's prompt (its own, with a self teacher's context) and completion
     skipped_tokens = sum(len(prompts[i]) + len(completions[i]) for i in skipped)
-    counts = trainer._selection_counts
-    trainer._selection_counts = [counts[0] + len(skipped), counts[1] + num_rechecked, counts[2] + skipped_tokens]
+    counts.add(
+        selection_skipped=len(skipped), selection_rechecked=num_rechecked, selection_skipped_tokens=skipped_tokens
+    )
     totals = torch.tensor([len(skipped), num_rechecked, len(codes)])
     total_skipped, total_rechecked, rollouts = collective.sum_over_ranks(trainer.accelerator, totals)
     trainer._metrics["train"]["teacher/skipped_frac"].append(total_skipped / rollouts)
@@ -126,9 +130,10 @@ def select_and_score(trainer, batch, output: dict) -> list | None:
 def divergence_on_scored_rows(trainer, student, student_hidden, batch: dict, loss_mask, normalizer) -> Divergence:
     """The `divergence` loss of a micro-batch whose skipped rows (`batch["teacher_selection"]`) carry no loss: the
     teacher's `divergence_loss` on the other rows only (on every rank, none included: it joins the others' collectives
-    on its stand-ins), and the per-token values the records need for every row. The student's log-probs and entropies
-    of the skipped rows come from its output layer ([`_head_logps`], as a served teacher's rows do): one call on every
-    rank per micro-batch (a ZeRO-3-sharded layer is gathered), on one stand-in position where a rank skipped none."""
+    on a stand-in row, [`collective.stand_in_row`]), and the per-token values the records need for every row. The
+    student's log-probs and entropies of the skipped rows come from its output layer ([`_head_logps`], as a served
+    teacher's rows do): one call on every rank per micro-batch (a ZeRO-3-sharded layer is gathered), on one stand-in
+    position where a rank skipped none."""
     args = trainer.args
     selection = batch["teacher_selection"]
     kept = (selection != SKIPPED).nonzero().flatten()
@@ -136,7 +141,7 @@ def divergence_on_scored_rows(trainer, student, student_hidden, batch: dict, los
     if len(kept):
         part, hidden, mask = rows_of(batch, kept), student_hidden[kept], loss_mask[kept]
     else:
-        part, hidden, mask = _stand_in(batch, student_hidden, trainer._tokenizer.pad_token_id)
+        part, hidden, mask = collective.stand_in_row(batch, student_hidden, trainer._tokenizer.pad_token_id)
     out = trainer.teacher.divergence_loss(student, hidden, part, mask, normalizer, args.jsd_beta, trainer.temperature)
     tokens = batch["completion_ids"]
     teacher_logps = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
@@ -158,22 +163,3 @@ def divergence_on_scored_rows(trainer, student, student_hidden, batch: dict, los
         else:  # the same call on a stand-in position
             _head_logps(student, hidden[:1, :1], tokens[:1, :1], trainer.temperature, True)
     return Divergence(out.loss, teacher_logps, logps, entropies)
-
-
-def _stand_in(batch: dict, student_hidden, pad_id: int):
-    """For a rank whose rows were all skipped: one pad-token row with a zero loss mask for the teacher's
-    `divergence_loss`, whose student hidden state is zeros inside the student's graph. The teacher's forward (one pad
-    token) joins the other ranks' as its own stand-in would; the graph makes the student's output layer take part in
-    the backward as on the ranks with rows (under ZeRO-3 its gradient is collective: a rank without it hangs the
-    others)."""
-    first = torch.zeros(1, dtype=torch.long, device=batch["completion_ids"].device)
-    part = rows_of(batch, first)  # the first row's teacher name (a router sends the stand-in to that teacher)
-    ids = torch.full((1, 1), pad_id, dtype=torch.long, device=first.device)
-    part.update(
-        prompt_ids=ids, prompt_mask=torch.ones_like(ids), completion_ids=ids, completion_mask=torch.ones_like(ids)
-    )
-    part["teacher_scores"] = None  # no scores: a served teacher compares nothing on it
-    if part.get("teacher_prompt_ids") is not None:  # a self teacher's prompt
-        part["teacher_prompt_ids"] = [[pad_id]]
-    hidden = student_hidden[:1, :1] * 0.0
-    return part, hidden, torch.zeros((1, 1), device=student_hidden.device)

@@ -6,7 +6,8 @@ supervised (`state_source_mix`) and what the teacher says there (`signal`), and 
 
 The rollouts (`rollouts.py`: whose states, the teacher's prompts, rollouts and continuations) and the loss (`loss.py`:
 each signal's loss, the records and teacher metrics) are mixed in; this module builds the trainer and its teacher,
-and holds what travels with checkpoints and the teacher-budget levers' per-step state.
+and holds what travels with checkpoints; the per-step counts of the teacher and its budget levers are its
+`step_counts` ([`StepCounts`]).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import PreTrainedModel
 from trl.models.utils import _ForwardRedirection
 
 from .. import collective
+from ..lens.step_counts import StepCounts
 from ..teachers import (
     InProcessTeacher,
     SelfTeacher,
@@ -30,14 +32,17 @@ from ..teachers import (
     load_teachers,
 )
 from ..trainers.grpo import StateLensGRPOTrainer
-from .cache import CACHE_AGE, TeacherCache
+from .cache import TeacherCache
 from .checks import check_datasets, check_teacher_settings_are_read
 from .config import MIX_SOURCES, OnPolicyDistillConfig
 from .loss import LossMixin
 from .rollouts import LEARNER, RolloutBatch, RolloutsMixin, no_reward
+from .selection import SELECTION_COUNTS
 
 logger = logging.getLogger(__name__)
 SOURCE_RNG_FILE = "statelens_source_rng_{rank}.pth"  # in each checkpoint, one per process
+# The teacher's writing of `teacher` states, per step: its prompts' tokens and the tokens it wrote (`ComputeCounter`)
+TEACHER_GENERATION_COUNTS = ("teacher_generation_prompt_tokens", "teacher_written_tokens")
 
 
 class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
@@ -191,11 +196,11 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         self._source_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._source_probs = torch.tensor([args.state_source_mix.get(s, 0.0) for s in MIX_SOURCES])
         self._rollout_batch: RolloutBatch | None = None  # while a generation batch is made (see `RolloutBatch`)
-        self._teacher_tokens = 0  # the records' `teacher_tokens` (`_count_teacher_tokens`)
+        # This rank's counts of the optimizer step in progress, reset at each step's first count whether or not a
+        # StateLoggingCallback reads them: the records' `teacher_tokens` (`_count_teacher_tokens`), state selection's
+        # (`selection.py`) and the teacher cache's (`cache.py`)
+        self.step_counts = StepCounts(self)
         self._rollout_length = self.max_completion_length  # this generation batch's (`_set_rollout_length`)
-        # State selection (`skip_correct_rollouts`): this rank's counts since the last optimizer step's ledger line
-        # (skipped, rechecked, teacher_skipped_tokens), and which generation batch of which step is drawn next
-        self._selection_counts, self._selection_batch = [0, 0, 0], (0, 0)
         self._forward_redirection = _ForwardRedirection()
         # Offline teacher cache (`teacher_cache_steps`, `cache.py`): which optimizer steps reuse the buffered batch
         self.teacher_cache = TeacherCache(self, LEARNER) if args.teacher_cache_steps > 1 else None
@@ -289,15 +294,17 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         """With the teacher cache, at each optimizer step's first micro-batch the cache decides (on every rank alike)
         whether this step trains on the buffered generation batch again, without sampling or calling the teacher, or
-        GRPO samples and scores a new one; each micro-batch says which (`cache.CACHE_AGE`)."""
+        GRPO samples and scores a new one; each micro-batch carries its cache slot (`TeacherCache.attach`)."""
         if self.teacher_cache is None or not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        spg = self.args.steps_per_generation
-        if self._step % spg == 0 and self.teacher_cache.serves_from_cache():
+        first = self._step % self.args.steps_per_generation == 0
+        if first and self.teacher_cache.advance_or_refresh(self._buffered_inputs):
             inputs = self._buffered_inputs[0]
-        else:  # a refresh (GRPO samples: the buffer was dropped), or a later micro-batch of this step
+        else:  # a refresh, or a later micro-batch of this step
+            if first:  # without a buffered batch GRPO samples and scores a new one
+                self._buffered_inputs = None
             inputs = super()._prepare_inputs(generation_batch)
-        inputs[CACHE_AGE] = self.teacher_cache.age
+        self.teacher_cache.attach(inputs)
         return inputs
 
     def _collect_state_records(self, sample_rate: float, seed: int = 0):
@@ -313,14 +320,18 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         """The lever settings the optimizer step ran with, for its ledger line: the rollout `horizon` when one is set;
         with state selection, the rollouts the teacher skipped as correct and rechecked since the last line, and the
         prompt and completion tokens it did not read (`teacher_skipped_tokens`, all ranks: called on every rank); with
-        the teacher cache, whether the step refreshed it and its staleness (`TeacherCache.step_trace`)."""
+        the teacher cache, whether the step refreshed it and its staleness (`TeacherCache.step_trace`); with `teacher`
+        states, the tokens of the teacher's forwards writing them (`TEACHER_GENERATION_COUNTS`, all ranks)."""
         trace = {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
+        if self.args.state_source_mix.get("teacher", 0.0) > 0:
+            counts = torch.tensor(self.step_counts.take(*TEACHER_GENERATION_COUNTS))
+            counts = collective.sum_over_ranks(self.accelerator, counts)  # its forwards writing `teacher` states
+            trace.update(zip(TEACHER_GENERATION_COUNTS, map(float, counts)))
         if self.teacher_cache is not None:
             trace.update(self.teacher_cache.step_trace())
         if self.args.skip_correct_rollouts:
-            counts = torch.tensor(self._selection_counts)
+            counts = torch.tensor(self.step_counts.take(*SELECTION_COUNTS))
             skipped, rechecked, tokens = collective.sum_over_ranks(self.accelerator, counts)
-            self._selection_counts = [0, 0, 0]
             trace.update(
                 {
                     "selection/skipped": float(skipped),
@@ -330,3 +341,11 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                 }
             )
         return trace
+
+    def _count_teacher_generation(self, prompts: list[list[int]], rollouts: list[list[int]]) -> None:
+        """Count the teacher's writing of this rank's `teacher` states (its own rows: a stand-in generation that only
+        joins the other ranks' is never passed) for the step's FLOPs: its forward over each rollout's prompt and the
+        tokens it wrote (`TEACHER_GENERATION_COUNTS`). Training only."""
+        if self.model.training:
+            prompt_tokens, written = sum(len(p) for p in prompts), sum(len(r) for r in rollouts)
+            self.step_counts.add(teacher_generation_prompt_tokens=prompt_tokens, teacher_written_tokens=written)

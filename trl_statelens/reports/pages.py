@@ -27,10 +27,12 @@ from .plots import plot_blocks
 from .run_folders import RUN_FOLDER_CONTENTS, load_run, make_labels_unique
 from .states_page import write_states_page
 from .tables import (
+    PROVENANCE_WARNING,
     Block,
     base_scores_for,
     compute_table,
     cost_table,
+    provenance_warning,
     run_notes,
     state_table,
     table2,
@@ -48,6 +50,8 @@ def markdown(blocks: list[Block]) -> str:
             lines += [block.text, ""]
         elif block.kind == "note":
             lines += [f"> **Note:** {block.text}", ""]
+        elif block.kind == "warning":
+            lines += [f"> **Warning:** {block.text}", ""]
         elif block.kind == "table":
             lines.append("| " + " | ".join(block.header) + " |")
             lines.append("|" + "---|" * len(block.header))
@@ -73,6 +77,7 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f3f3f3; }
 .note { background: #fff6e0; border-left: 4px solid #e0a800; padding: 0.4em 0.8em; }
+.warning { background: #fdecea; border-left: 4px solid #c62828; padding: 0.4em 0.8em; }
 img { max-width: 100%; border: 1px solid #eee; }
 """
 
@@ -86,6 +91,8 @@ def html_page(blocks: list[Block]) -> str:
             body.append(f"<p>{inline_code(block.text)}</p>")
         elif block.kind == "note":
             body.append(f'<p class="note"><strong>Note:</strong> {inline_code(block.text)}</p>')
+        elif block.kind == "warning":
+            body.append(f'<p class="warning"><strong>Warning:</strong> {inline_code(block.text)}</p>')
         elif block.kind == "table":
             header = "".join(f"<th>{html.escape(cell)}</th>" for cell in block.header)
             rows = "".join(
@@ -129,8 +136,13 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     base_scores, base_source = base_scores_for(runs, base_run)
+    provenance_blocks, differences = provenance_warning(runs, base_run)
+    if differences:  # said where it is seen, not only in the report
+        print(f"statelens report: warning: {PROVENANCE_WARNING}:", file=sys.stderr)
+        print("".join(f"  - {line}\n" for line in differences), end="", file=sys.stderr)
     blocks = (
-        table2(runs, base_scores, base_source)
+        provenance_blocks
+        + table2(runs, base_scores, base_source)
         + state_table(runs)
         + teacher_table(runs)
         + plot_blocks(runs, out_dir, base_scores)

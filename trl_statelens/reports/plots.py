@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .endings import plot_endings
+from .figures import SMOOTH_ABOVE_POINTS, TALL_FIGURE_SIZE, finish_legend, new_figure, plot_curve, save
 from .run_folders import (
     TARGET_METRIC,
     TARGET_TASK,
@@ -26,53 +28,7 @@ from .run_folders import (
 )
 from .tables import SCORE_COLUMNS, Block, note
 
-FIGURE_SIZE = (7.0, 4.5)
-TALL_FIGURE_SIZE = (7.0, 6.0)
-DPI = 120
-SMOOTH_ABOVE_POINTS = 100  # longer curves are drawn faint per step, with a moving average on top
 TEACHER_LINES = ("-", "--", ":", "-.")  # one per teacher of a run with several, in its colour
-
-
-def new_figure(size=FIGURE_SIZE, rows: int = 1, sharex: bool = True):
-    """A figure on the Agg canvas directly: no pyplot, so no global backend switch and no figures left open."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=size, dpi=DPI, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(rows, 1, sharex=sharex, squeeze=False)[:, 0]
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    return figure, axes
-
-
-def save(figure, out_dir: Path, name: str) -> Path:
-    path = out_dir / name
-    figure.savefig(path, dpi=DPI)
-    return path
-
-
-def plot_curve(ax, x: np.ndarray, y: np.ndarray, style: dict, label: str, smooth: bool = True) -> None:
-    """Short curves as they are; long noisy ones faint per step with a moving average on top, so trends show.
-
-    Probe drift is already a smooth, sparse curve: it is drawn with `smooth=False`, as measured.
-    """
-    keep = np.isfinite(y)
-    x, y = x[keep], y[keep]
-    color, width = style["color"], style["width"]
-    if not smooth or len(y) <= SMOOTH_ABOVE_POINTS:
-        marker = style["marker"] if len(y) <= 30 else None
-        ax.plot(x, y, color=color, label=label, linewidth=width, marker=marker, markersize=2.5 * width)
-        return
-    window = max(5, len(y) // 50)  # 2% of the steps
-    smooth = pd.Series(y).rolling(window, center=True, min_periods=1).mean().to_numpy()
-    ax.plot(x, y, color=color, alpha=0.25, linewidth=0.8)
-    ax.plot(x, smooth, color=color, label=label, linewidth=width)
-
-
-def finish_legend(ax) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=9, loc="best", framealpha=0.85)
 
 
 def plot_state_curves(runs, styles, out_dir) -> Path | None:
@@ -465,6 +421,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "Where GRPO's reward signal is",
             lambda: plot_reward_signal(runs, styles, out_dir),
             "no run has `reward_groups/spread_frac` in `statelens/steps.jsonl` (StateLens GRPO runs do)",
+        ),
+        (
+            "How rollouts end, and the teacher's view of the end",
+            lambda: plot_endings(runs, styles, out_dir),
+            "no run has `ends/*` in `statelens/steps.jsonl` or TRL's `completions/clipped_ratio` (sampling trainers)",
         ),
         (
             "Target score vs supervised tokens",

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..provenance import read_run_provenance
+
 TARGET_TASK = "gsm8k"
 TARGET_METRIC = "accuracy_strict"  # GSM8KTask's primary metric, when results.json does not name it
 RUN_FOLDER_CONTENTS = (
@@ -31,6 +33,7 @@ class Run:
     log_history: list[dict] | None
     notes: list[str] = field(default_factory=list)
     steps_are_averages: bool = False  # `steps` rebuilt from log_history.json's averages, not the per-step ledger
+    provenance: dict | None = None  # `statelens/provenance.json`, else results.json's `provenance`
 
     def evaluation(self, which: str) -> dict | None:
         """Task scores of the `before` or `after` evaluation, or None."""
@@ -142,6 +145,7 @@ def load_run(path: str | Path) -> Run:
         log_history=log_history,
         notes=notes,
         steps_are_averages=steps_are_averages,
+        provenance=read_run_provenance(path),
     )
 
 

@@ -7,7 +7,9 @@ A run folder (`output_dir`) holds:
   :func:`~trl_statelens.evaluation.evaluate_model`), `retention` (Forgetting and Retention of `after` against
   `before`), `final_drift` (the last probe drift) and `train_seconds`;
 - `eval/before.json`, `eval/after.json` and their `.items.jsonl` per-item outputs;
-- `statelens/`: the state ledger (`steps.jsonl`, `states.jsonl`, `drift.jsonl`; see the README);
+- `statelens/`: the state ledger (`steps.jsonl`, `states.jsonl`, `drift.jsonl`; see the README) and
+  `provenance.json` (the code, library versions and weight hashes the run started with; also `results.json`'s
+  `provenance`);
 - `log_history.json`: everything the trainer logged (with `--target_eval_steps`, the target task's scores during
   training as `eval/gsm8k/<metric>` at their step);
 - the trained model (`save_pretrained` layout).
@@ -35,7 +37,8 @@ from ..evaluation import (
     retention_summary,
 )
 from ..lens.callback import StateLoggingCallback, check_no_ledger
-from ..lens.compute import ComputeCounter, cache_counts, ledger_totals, tokens_seen
+from ..lens.compute import ComputeCounter, cache_counts, ledger_totals, teacher_generation, tokens_seen
+from ..provenance import PROVENANCE_FILE, provenance
 from ..real_models import SMOLLM2, build_smollm2
 from ..teachers import without_zero3_init
 
@@ -325,6 +328,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
         "distributed": what_ran(trainer),
         "compute": compute_counts(trainer),
         "recipe_arguments": dataclasses.asdict(args),
+        "provenance": run_provenance(out, model_path, teacher_path),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
@@ -332,6 +336,15 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     print_summary(results, trainer.state.log_history, out, report)
     trainer.end()
     return results
+
+
+def run_provenance(out: Path, model_path: str, teacher_path: str | None = None) -> dict:
+    """The record the ledger's callback wrote at the start of training (`statelens/provenance.json`), else one made
+    now with the starting models' files hashed (`trl_statelens.provenance`)."""
+    path = out / "statelens" / PROVENANCE_FILE
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    return provenance({"student": model_path, "teacher": teacher_path})
 
 
 def compute_counts(trainer) -> dict:
@@ -354,7 +367,13 @@ def compute_counts(trainer) -> dict:
     context = totals.get("teacher_context_tokens", 0.0)
     skipped = totals.get("teacher_skipped_tokens", 0.0)  # rollouts the teacher did not score (state selection)
     by_part = counter.split(
-        tokens, totals.get("supervised_tokens", 0.0), totals, context, skipped, cache_counts(totals)
+        tokens,
+        totals.get("supervised_tokens", 0.0),
+        totals,
+        context,
+        skipped,
+        cache_counts(totals),
+        teacher_generation(totals),
     )
     per_token, per_supervised = counter.split(1, 0, totals)["total"], counter.split(0, 1, totals)["total"]
     counts = {

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..answers import repeats_itself
+from .endings import sample_ended
+
 STATE_SOURCES = ("dataset", "learner", "teacher")  # as in lens/records.py, which imports torch: not imported here
 MAX_SEQUENCES = 2000
 MAX_TOKENS = 300_000
@@ -65,11 +68,17 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
     selection = line.get("skipped") or ("recheck" if line.get("recheck") else None)
     # Offline teacher cache (`teacher_cache_steps`): trained from a reused batch, and that batch's age in steps
     cache_age = line.get("cache_age") if line.get("from_cache") else None
+    # How it ended and whether it loops (`lens.endings`); a ledger line from before those fields: read off its text
+    completion = "".join(tokens) if tokens is not None else str(line.get("completion") or "")
+    ended = line.get("end") or ("end_token" if sample_ended(line) else None)
+    repeats = line.get("repeats") if isinstance(line.get("repeats"), bool) else repeats_itself(completion)
     return {
         "r": run_index,
         "te": teacher_name if isinstance(teacher_name, str) else None,
         "sk": selection if isinstance(selection, str) else None,
         "ca": cache_age if isinstance(cache_age, int) else None,
+        "ed": ended if isinstance(ended, str) else None,
+        "rp": repeats,
         "s": int(line.get("step", 0)),
         "src": STATE_SOURCES.index(source) if source in STATE_SOURCES else -1,
         "rw": float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None,

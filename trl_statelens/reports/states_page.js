@@ -187,6 +187,7 @@ function setSteps(min, max) {
 // ----- sequences ----------------------------------------------------------------------------------------------
 const fmt = (v, d = 3) => (v === null || v === undefined ? "–" : Number(v).toFixed(d));
 function showToken(text) { return text.replace(/\n/g, "↵\n").replace(/\t/g, "→"); }
+const ENDS = {end_token: "ended: end token", length_limit: "cut at the length limit", stop: "stopped short"};
 function renderSequence(seq, index) {
   const div = document.createElement("div");
   div.className = seq.sk === "recheck" || !seq.sk ? "seq" : "seq skipped"; div.dataset.k = index;
@@ -202,6 +203,8 @@ function renderSequence(seq, index) {
       : `<span class="badge skipped" title="not scored by the teacher; weight 0">skipped: ${escapeHtml(seq.sk)}</span> · `) +
     (seq.ca === null || seq.ca === undefined ? "" : `<span class="badge cached" title="trained from the teacher cache: ` +
       `rollouts and teacher signal sampled ${seq.ca} step(s) earlier">from cache, age ${seq.ca}</span> · `) +
+    (!seq.ed ? "" : `<span class="badge end-${seq.ed}" title="how the rollout ended">${ENDS[seq.ed]}</span> · `) +
+    (seq.rp ? `<span class="badge repeats" title="repeats a line or a 10-word run (answers.repeats_itself)">repeats</span> · ` : "") +
     (seq.sk && seq.sk !== "recheck" ? `${seq.lp.length} tokens, not supervised` : `${seq.lp.length} supervised tokens`) +
     ` · reward ${fmt(seq.rw, 2)} · off-policy gap ${fmt(seq.gap)} · ` +
     `teacher KL ${fmt(seq.kl)}`;

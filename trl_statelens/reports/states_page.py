@@ -107,6 +107,8 @@ label { margin-right: .6em; white-space: nowrap; }
 .seq-head b { color: #000; }
 .badge { display: inline-block; padding: 0 .4em; border-radius: 3px; color: #fff; font-size: .9em; }
 .badge.cached { background: #4a6fa5; } .badge.skipped { background: #777; } .badge.recheck { background: #b8860b; }
+.badge.end-end_token { background: #2e7d32; } .badge.end-length_limit { background: #8d6e63; }
+.badge.end-stop { background: #607d8b; } .badge.repeats { background: #c62828; }
 .seq.skipped { border-style: dashed; background: #f6f6f6; } .seq.skipped .completion { opacity: .45; text-decoration: line-through; }
 .text { font-family: ui-monospace, monospace; font-size: .85em; white-space: pre-wrap; word-break: break-word;
   line-height: 1.6; }

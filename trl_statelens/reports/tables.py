@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..lens.compute import FLOPS_PARTS
+from ..provenance import differences_text, provenance_differences, runs_without_provenance, short
 from .run_folders import Run, column, compute_curve, final_mmd, teacher_curves, teacher_names, token_weighted_mean
 
 SCORE_COLUMNS = {"gsm8k": "GSM8K", "truthfulqa": "TruthfulQA", "mmlu": "MMLU"}
@@ -42,7 +43,7 @@ def fmt(value, spec: str) -> str:
 # ----- the report as blocks, rendered to Markdown and HTML -----------------------------------------------------------
 @dataclass
 class Block:
-    kind: str  # "heading", "text", "note", "table", "image", "link" (text, then a link to `image`'s file name)
+    kind: str  # "heading", "text", "note", "warning", "table", "image", "link" (text, then a link to `image`'s file)
     text: str = ""
     header: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
@@ -276,6 +277,46 @@ def compute_table(runs: list[Run], base_scores: dict | None = None) -> list[Bloc
             "problems moves by about 0.04 by chance, so a single crossing is noisy.",
         ),
     ]
+
+
+PROVENANCE_WARNING = (
+    "these runs did not all run with the same code, libraries or starting weights, so their differences may come "
+    "from these as well as from their settings (a last-bit change of the weights or a library moves scores)"
+)
+
+
+def provenance_warning(runs: list[Run], base: Run | None = None) -> tuple[list[Block], list[str]]:
+    """A warning and a table of what differs between the runs' provenance (the package's commit and uncommitted
+    changes, library versions, the weights of each model they share by name: `trl_statelens.provenance`), with its
+    lines as plain text; nothing when they agree (a note when some runs, not all, recorded none). The `--base` run,
+    whose scores the others are measured against, is compared too."""
+    records = {run.label: run.provenance for run in runs}
+    if base is not None:
+        records[f"{base.label} (--base)"] = base.provenance
+    differences, missing = provenance_differences(records), runs_without_provenance(records)
+    if not differences and not missing:
+        return [], []
+    blocks = [Block("heading", "Provenance")]
+    if differences:
+        labels = list(dict.fromkeys(label for _, values in differences for label in values))
+        rows = [
+            [what, *(f"`{short(values[label])}`" if label in values else MISSING for label in labels)]
+            for what, values in differences
+        ]
+        blocks += [
+            Block("warning", PROVENANCE_WARNING + ": see the table."),
+            Block("table", header=["Differs", *labels], rows=rows),
+            Block(
+                "text",
+                "From each run's `statelens/provenance.json` (else `results.json`'s `provenance`), written at the "
+                "start of training: the package's git commit and uncommitted changes, the library versions and a "
+                "sha256 of each model's weights; a model's hashes are compared between the runs that loaded it from "
+                "the same folder or hub id, hashed the same way.",
+            ),
+        ]
+    if missing:
+        blocks.append(note(f"No provenance recorded, so not compared (runs from before it was): {', '.join(missing)}"))
+    return blocks, differences_text(differences)
 
 
 def run_notes(runs: list[Run]) -> list[Block]:

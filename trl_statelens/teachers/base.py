@@ -4,18 +4,37 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 from trl.trainer.utils import pad
 
+from .. import collective
 from ..heads import Divergence
+from .server_client import TeacherServerError
 
-# The offline teacher cache's keys in a micro-batch (`teacher_cache_steps`: opd/cache.py), which an in-process teacher
-# reads and writes
-CACHE_AGE = "teacher_cache_age"  # in each micro-batch the cache serves: 0 on a refresh, n on its n-th reuse
-TEACHER_HIDDEN = "teacher_cache_teacher_hidden"  # an in-process teacher's final hidden states, kept for `divergence`
+CACHE_SLOT = "teacher_cache"  # the key of a micro-batch's [`CacheSlot`], in each micro-batch the teacher cache serves
+
+
+@dataclass
+class CacheSlot:
+    """A buffered micro-batch's entry in the offline teacher cache (`teacher_cache_steps`: opd/cache.py), which the
+    cache puts in the micro-batch (under `CACHE_SLOT`) on each step it serves it: its `age` (0 on the refresh that
+    sampled it, n on its n-th reuse), the sampling policy's log-probs of its completion tokens (`sampling_logps`
+    `(B, T)`, kept by the refresh step's loss) and an in-process teacher's final hidden states at its completion
+    positions (`teacher_hidden` `(B, T, H)`, kept by that teacher's `divergence_loss` on the refresh, projected again
+    on each reuse).
+
+    One object that the batch dict holds, not keys written into the dict: a shallow copy of the dict (`{**batch}`, as
+    a self teacher makes) holds the same slot, so what is kept on a copy still reaches the reuses. A part of the rows
+    (a router's, state selection's) must not keep its own hidden states in the whole batch's slot: the config refuses
+    the cache with several teachers and with state selection."""
+
+    age: int
+    sampling_logps: torch.Tensor | None = None
+    teacher_hidden: torch.Tensor | None = None
 
 
 class TeacherRow(NamedTuple):
@@ -56,10 +75,31 @@ def batch_rows(scores: Future, num_rows: int) -> list[TeacherRow]:
     return [TeacherRow(scores, i) for i in range(num_rows)]
 
 
-def resolve_rows(rows: list[TeacherRow], completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+def answers_on_every_rank(accelerator, rows: list[TeacherRow]) -> list[RowScores]:
+    """The answers of `rows` (this process's own, maybe none), once every one is in. A failed background request
+    (a served teacher's) raises its error here, in the training thread, and on every process at once
+    ([`collective.raise_together`]): a process that raised alone would leave the others waiting in their next
+    collective. Every process calls it as often as the others, rows or none (one all-gather of a failure flag)."""
+    scores, error = [], None
+    try:
+        scores = [row.scores.result()[row.index] for row in rows]
+    except Exception as raised:  # noqa: BLE001 (raised on every process below)
+        error = raised
+    collective.raise_together(accelerator, error, "a request to the teacher server failed", TeacherServerError)
+    return scores
+
+
+def resolve_rows(
+    rows: list[TeacherRow], completion_ids: torch.Tensor, completion_mask: torch.Tensor, accelerator=None
+):
     """The scores of `rows` as [`ResolvedScores`] on `completion_ids`' device, once every answer is in (a failed
-    background request raises its error here, in the training thread)."""
-    scores = [row.scores.result()[row.index] for row in rows]
+    background request raises its error here, in the training thread). With the trainer's `accelerator`, a call that
+    every process makes as often as the others: a request failed on any process raises on all of them
+    ([`answers_on_every_rank`])."""
+    if accelerator is not None:
+        scores = answers_on_every_rank(accelerator, rows)
+    else:
+        scores = [row.scores.result()[row.index] for row in rows]
     device, shape = completion_ids.device, completion_ids.shape
     logps = torch.zeros(shape, dtype=scores[0].logps.dtype, device=device)
     has_top = scores[0].top_ids is not None

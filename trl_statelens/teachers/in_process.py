@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
@@ -11,8 +13,7 @@ from .. import collective
 from ..heads import Divergence, _completion_hidden_states, divergence_and_token_logps
 from ..lens.probes import trainer_generation_config
 from .base import (
-    CACHE_AGE,
-    TEACHER_HIDDEN,
+    CACHE_SLOT,
     RowScores,
     Teacher,
     answered,
@@ -104,7 +105,11 @@ class InProcessTeacher(Teacher):
         reference model), on the rows padded as GRPO pads a batch; the full distribution is not fetched ahead:
         `divergence_loss` projects it within the loss's forward. Each chunk is a forward, collective under ZeRO-3:
         every rank runs as many as the rank with the most rows of this teacher (a router splits rows unevenly), the
-        ones past its own rows on a stand-in row whose answer it drops."""
+        ones past its own rows on a stand-in row whose answer it drops.
+
+        With `distribution=True` (the `divergence` signal) it scores nothing and returns `None` (no forward, no
+        collective): this teacher's distributions are computed within the loss, by `divergence_loss`, on the
+        student's hidden states of the same rows."""
         if distribution:
             return None
         trainer = self.trainer
@@ -141,17 +146,19 @@ class InProcessTeacher(Teacher):
         stand-in row that supervises nothing.
 
         With the teacher cache (`opd/cache.py`), a micro-batch's first pass keeps the teacher's hidden states in the
-        batch and its reuses project those with the teacher's output layer, without the teacher's forward (on every
-        rank alike: the cache decides the same everywhere)."""
-        # The micro-batch the cache keeps its hidden states in (`batch` may become a stand-in row below); age: None
-        # without the cache, 0 on its refresh
-        cached, age = batch, batch.get(CACHE_AGE)
+        micro-batch's cache slot (`base.CacheSlot`, under `CACHE_SLOT`) and its reuses project those with the
+        teacher's output layer, without the teacher's forward (on every rank alike: the cache decides the same
+        everywhere)."""
+        # The micro-batch's cache slot, taken before `batch` may become a stand-in row below (a stand-in's hidden
+        # states are kept there too); age: None without the cache, 0 on its refresh
+        slot = batch.get(CACHE_SLOT)
+        age = None if slot is None else slot.age
         num_rows = batch["completion_ids"].size(0)
         no_logps = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
         if not collective.any_rank_has(self.trainer.accelerator, num_rows):
             return Divergence(student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
-        if num_rows == 0:
-            batch, student_hidden, loss_mask = _stand_in_row(
+        if num_rows == 0:  # zeros inside the student's graph: its backward reaches the parameters the others' do
+            batch, student_hidden, loss_mask = collective.stand_in_row(
                 batch, student_hidden, self.trainer._tokenizer.pad_token_id
             )
         trainer = self.trainer
@@ -159,15 +166,19 @@ class InProcessTeacher(Teacher):
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         num_completion = batch["completion_ids"].size(1)
         teacher = trainer.accelerator.unwrap_model(self.model)
-        if age:  # a reuse: the refresh's hidden states (a stand-in row's included)
-            teacher_hidden = cached[TEACHER_HIDDEN]
-        else:
-            with torch.no_grad():
-                teacher_hidden = trainer._forward_redirection(
-                    self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask, num_completion
-                )
-            if age == 0:
-                cached[TEACHER_HIDDEN] = teacher_hidden
+        # The teacher's forward and its output layer inside `_teacher_applied()`; the student's projection outside
+        with self._teacher_applied():
+            if age:  # a reuse: the refresh's hidden states (a stand-in row's included)
+                teacher_hidden = slot.teacher_hidden
+            else:
+                with torch.no_grad():
+                    teacher_hidden = trainer._forward_redirection(
+                        self.model, teacher, _completion_hidden_states, teacher, input_ids, attention_mask,
+                        num_completion,
+                    )  # fmt: skip
+                if age == 0:
+                    slot.teacher_hidden = teacher_hidden
+            teacher_head = self._teacher_output_layer(teacher)
         # The loss and the records' per-token values (both models' token log-probs, the student's entropy) in one
         # pass over the vocabulary
         out = divergence_and_token_logps(
@@ -181,22 +192,23 @@ class InProcessTeacher(Teacher):
             beta,
             normalizer,
             temperature,
+            teacher_head=teacher_head,
         )
-        if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised); keep the student's graph whole
-            return Divergence(out.loss + student_hidden.sum() * 0.0, no_logps, no_logps, no_logps)
+        if num_rows == 0:  # the stand-in row's loss is 0 (nothing supervised), in the student's graph
+            return Divergence(out.loss, no_logps, no_logps, no_logps)
         return out
+
+    def _teacher_applied(self):
+        """Where `divergence_loss` runs the teacher's own part (its forward, reading its output layer): as it is here;
+        a [`SelfTeacher`] puts its weights in place, and the student is projected after, with its own."""
+        return nullcontext()
+
+    def _teacher_output_layer(self, teacher) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The unwrapped `teacher`'s output layer `(weight, bias)`, read inside `_teacher_applied()`."""
+        head = teacher.get_output_embeddings()
+        return head.weight, head.bias
 
 
 def _first_eos(rows: list[list[int]], eos_token_ids) -> list[list[int]]:
     ends = [next((j for j, t in enumerate(row) if t in eos_token_ids), None) for row in rows]
     return [row if end is None else row[: end + 1] for row, end in zip(rows, ends)]
-
-
-def _stand_in_row(batch: dict, student_hidden, pad_id: int):
-    """One pad-token prompt and completion with a zero loss mask, for a rank with no rows of its own to join a
-    teacher's collectives with (its student hidden state is zeros, outside the student's graph)."""
-    device = batch["completion_ids"].device
-    ids, ones = torch.full((1, 1), pad_id, dtype=torch.long, device=device), torch.ones((1, 1), device=device)
-    stand_in = {"prompt_ids": ids, "prompt_mask": ones.long(), "completion_ids": ids, "completion_mask": ones.long()}
-    hidden = student_hidden.new_zeros((1, 1, student_hidden.size(-1)))
-    return stand_in, hidden, torch.zeros((1, 1), device=device)

@@ -9,6 +9,7 @@ from accelerate.utils import is_peft_model
 from trl.data_utils import is_conversational
 from trl.trainer.utils import selective_log_softmax
 
+from ..checks import check_lengths, context_length
 from .base import RowScores, answered, batch_rows, completion_padded, left_padded
 from .in_process import InProcessTeacher
 from .self_teacher_weights import (
@@ -19,7 +20,7 @@ from .self_teacher_weights import (
     MovingAverage,
     SharedStudent,
     TeacherWeights,
-    _zero3,
+    is_zero3,
     refuse_average_under_fsdp,
     refuse_copying_sharded,
 )
@@ -70,6 +71,7 @@ class SelfTeacher(InProcessTeacher):
     def __init__(self, trainer, student_path: str | None = None):
         args = trainer.args
         self.kind, self.template = args.teacher_model_kind, args.teacher_prompt_template
+        self._check_prompt_lengths(trainer)  # before any copy of the student is made
         self.weights = _weights(self.kind, trainer, student_path)
         super().__init__(trainer, self.weights.model)
         self._prefix_cache = None  # (shared prompt start, its keys and values): `_score_after_shared_prefix`'s
@@ -79,6 +81,30 @@ class SelfTeacher(InProcessTeacher):
     @property
     def generation_model(self):
         return self.weights.generation_model
+
+    def _check_prompt_lengths(self, trainer) -> None:
+        """Each row's teacher prompt (`fill`: the template and its privileged context, or the solved exchanges before
+        it) plus the tokens written after it (`max_completion_length`, and `continuation_length` for continuations)
+        fits the model's context, in the training and evaluation data, as the student's prompts are checked
+        (`checks.check_prompt_lengths`); an `IterableDataset`'s rows are not known ahead."""
+        context = context_length(trainer.model)
+        if context is None:
+            return
+        splits = {"train_dataset": trainer.train_dataset}
+        if isinstance(trainer.eval_dataset, dict):
+            splits.update({f"eval_dataset[{name!r}]": data for name, data in trainer.eval_dataset.items()})
+        else:
+            splits["eval_dataset"] = trainer.eval_dataset
+        for what, dataset in splits.items():
+            if dataset is None or not hasattr(dataset, "__len__"):
+                continue
+            prompts = [self.fill(p, c) for p, c in zip(dataset["prompt"], dataset["privileged_context"])]
+            check_lengths(
+                prompts, trainer._tokenizer, context, trainer._tokens_after_prompt(), what,
+                kind="self-teacher prompt(s)",
+                fix="A self teacher's prompt is the row's prompt with its privileged_context (teacher_prompt_template, "
+                "or solved exchanges): shorten those contexts (fewer solved problems) or drop those rows",
+            )  # fmt: skip
 
     def prompts(self, student_prompts, rows):
         # The trainer checked these rows before the batch's rollouts (`opd_checks.check_rows`, on every process): a
@@ -120,7 +146,7 @@ class SelfTeacher(InProcessTeacher):
         every forward is a collective each rank must make as often as the others, and a rank's rows may share less
         than another's (not yet made to agree across ranks); never with gradient checkpointing (no key-value cache)."""
         model = self.trainer.accelerator.unwrap_model(self.model)
-        one_process = self.trainer.accelerator.num_processes == 1 and not _zero3(self.trainer)
+        one_process = self.trainer.accelerator.num_processes == 1 and not is_zero3(self.trainer)
         if len(prompts) == 0 or not one_process or getattr(model, "is_gradient_checkpointing", False):
             return 0
         length = min(len(p) for p in prompts) - 1
@@ -177,8 +203,16 @@ class SelfTeacher(InProcessTeacher):
             device = batch["prompt_ids"].device
             prompt_ids, prompt_mask = left_padded(batch["teacher_prompt_ids"], pad_id, multiple)
             batch = {**batch, "prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device)}
-        with self.weights.applied():
-            return super().divergence_loss(student, student_hidden, batch, loss_mask, normalizer, beta, temperature)
+        # Only the teacher's forward and its output layer are read with the teacher's weights in place
+        # (`_teacher_applied`): the student is projected with its own output layer, which a PEFT student's teacher
+        # shares (a trained `modules_to_save` head: the base's with the adapter disabled, the average's under "ema")
+        return super().divergence_loss(student, student_hidden, batch, loss_mask, normalizer, beta, temperature)
+
+    def _teacher_applied(self):
+        return self.weights.applied()
+
+    def _teacher_output_layer(self, teacher):
+        return self.weights.output_layer(teacher)
 
     def save_state(self, output_dir):
         self.weights.save(output_dir)

@@ -47,6 +47,13 @@ class TeacherWeights:
     def applied(self):
         return nullcontext()
 
+    def output_layer(self, model) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The teacher's output layer `(weight, bias)`, read inside `applied()`, for use after it (the divergence
+        kernel projects the student outside it, and recomputes both projections in its backward): the parameters
+        themselves (ZeRO-3 gathers them), which here stay the teacher's after `applied()` ends."""
+        head = model.get_output_embeddings()
+        return head.weight, head.bias
+
     def save(self, output_dir: str) -> None:
         """Nothing to save: these weights are the student's, or a frozen copy made again at every start."""
 
@@ -79,7 +86,7 @@ class AdapterAverage(SharedStudent):
     partitions the adapter: the swap needs it whole."""
 
     def __init__(self, trainer):
-        if _zero3(trainer):
+        if is_zero3(trainer):
             raise ValueError(
                 "teacher_model_kind='ema' with a PEFT student under DeepSpeed ZeRO-3: the averaged adapter is "
                 "swapped into the student module for the teacher's calls, which needs the adapter whole, and "
@@ -110,6 +117,12 @@ class AdapterAverage(SharedStudent):
             for name, param in self._trained:
                 param.data = own[name]
 
+    def output_layer(self, model):
+        """As [`TeacherWeights.output_layer`], but a trained output layer's (`modules_to_save`) parameters get the
+        student's tensors back when `applied()` ends: their averaged tensors (detached, no copy) instead, so the
+        divergence kernel's backward recomputes the teacher's logits from the average it ran with."""
+        return tuple(None if t is None else t.detach() for t in super().output_layer(model))
+
     @torch.no_grad()
     def update_average(self, rate: float) -> None:
         """`average <- (1 - rate) * average + rate * adapter` in fp32, after an optimizer step (every process holds its
@@ -138,7 +151,7 @@ class CopiedWeights(TeacherWeights):
     GRPO's reference model). A student given as a model instance has no path to load: refused there."""
 
     def __init__(self, trainer, student_path: str | None):
-        self.trainer, self.zero3 = trainer, _zero3(trainer)
+        self.trainer, self.zero3 = trainer, is_zero3(trainer)
         self.model = prepare_teacher_model(trainer, _student_copy(trainer, student_path))
 
 
@@ -150,10 +163,12 @@ class AveragedCopy(CopiedWeights):
     Under ZeRO-3 each process keeps the fp32 average of its own partition of each parameter, updated from the
     student's partition of the same parameter (ZeRO-3 lays the two out alike): nothing is gathered, and each process
     holds its share of one fp32 copy of the model. Refused with hpZ or NVMe parameter offload, which keep the
-    teacher's partitions elsewhere."""
+    teacher's partitions elsewhere, MiCS, which cuts them per shard group, and ZeRO++ quantized frozen weights, which
+    stores them quantized (`_refuse_unaligned_partitions`). With CPU parameter offload the partitions are in host
+    memory, and are gathered on the process's GPU to be saved."""
 
     def __init__(self, trainer, student_path: str | None):
-        self.trainer, self.zero3 = trainer, _zero3(trainer)
+        self.trainer, self.zero3 = trainer, is_zero3(trainer)
         if self.zero3:
             _refuse_unaligned_partitions(trainer.accelerator.state.deepspeed_plugin)
         teacher = _student_copy(trainer, student_path)
@@ -185,7 +200,7 @@ class AveragedCopy(CopiedWeights):
         weights = {}
         for name, weight, average in self._averages():
             if self.zero3:  # the processes' partitions, gathered (a collective: every process joins)
-                average = self.trainer.accelerator.gather(average)[: weight.ds_numel].view(weight.ds_shape)
+                average = _gathered(self.trainer.accelerator, average)[: weight.ds_numel].view(weight.ds_shape)
             if should_save:
                 weights[name] = average.detach().to("cpu", copy=True).contiguous()
         if should_save:
@@ -233,7 +248,8 @@ class MovingAverage(TrainerCallback):
         self.weights.update_average(self.rate)
 
 
-def _zero3(trainer) -> bool:
+def is_zero3(trainer) -> bool:
+    """Whether `trainer` runs under DeepSpeed ZeRO-3 (its parameters partitioned over the processes)."""
     return trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
@@ -272,7 +288,7 @@ def refuse_copying_sharded(student, kind: str) -> None:
 def _student_copy(trainer, student_path: str | None) -> PreTrainedModel:
     """A copy of the full-weight student, not yet prepared. Under DeepSpeed ZeRO-3 the student is partitioned before
     this is made, so a deep copy would hold empty shards: the copy is loaded again from the student's path."""
-    if _zero3(trainer):
+    if is_zero3(trainer):
         if student_path is None:
             raise ValueError(
                 f"teacher_model_kind={trainer.args.teacher_model_kind!r} under DeepSpeed ZeRO-3 with a student given "
@@ -298,6 +314,13 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.ds_tensor if hasattr(param, "ds_tensor") else param
 
 
+def _gathered(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's `tensor` (its ZeRO-3 partition) concatenated, on `tensor`'s device. Gathered on the
+    accelerator's device: with CPU parameter offload the partitions live in host memory, and NCCL gathers only
+    tensors on the process's GPU (accelerate's `gather` allocates its output there)."""
+    return accelerator.gather(tensor.to(accelerator.device)).to(tensor.device)
+
+
 def _partition(tensor: torch.Tensor, size: int, rank: int) -> torch.Tensor:
     """Process `rank`'s ZeRO-3 partition of `tensor`: its `size` elements of the flattened tensor, the last one padded
     at the end (ZeRO-3 splits a parameter evenly across the processes)."""
@@ -316,6 +339,21 @@ def _refuse_unaligned_partitions(plugin) -> None:
             "keeps a second copy of a frozen model's partitions that would not follow (NVMe offload swaps them out). "
             "Turn these off, or use teacher_model_kind='base' or 'live'"
         )
+    # (DeepSpeed 0.19.8 refuses `mics_shard_size` itself, as removed; refused here too, with the reason)
+    mics = zero.get("mics_shard_size", -1)
+    settings = {
+        f"MiCS (mics_shard_size={mics})": isinstance(mics, int) and mics > 0,
+        "ZeRO++ zero_quantized_nontrainable_weights": zero.get("zero_quantized_nontrainable_weights", False),
+    }
+    unsupported = [name for name, on in settings.items() if on]
+    if unsupported:
+        raise ValueError(
+            f"teacher_model_kind='ema' under DeepSpeed ZeRO-3 with {' and '.join(unsupported)} is not supported: the "
+            "average is kept per process for its partition of each parameter, saved gathered over all processes and "
+            "read back by process index. MiCS cuts the partitions within shard groups (a resume would read another "
+            "group's slice, or zeros), and quantized frozen weights store the teacher copy's partitions as quantized "
+            "codes (the average would run on them). Turn this off, or use teacher_model_kind='base' or 'live'"
+        )
 
 
 def _fp32_projection(head, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -328,8 +366,10 @@ def _saved_average(checkpoint: str) -> Path:
     path = Path(checkpoint) / EMA_FILE
     if not path.is_file():
         raise ValueError(
-            f"{path} not found: {checkpoint} holds no EMA teacher, so this run cannot resume the one it averaged "
-            "(a checkpoint from a run without teacher_model_kind='ema'?)"
+            f"{path} not found: {checkpoint} holds no EMA teacher, so this run cannot resume the one it averaged. "
+            "A checkpoint of a run without teacher_model_kind='ema' holds none, and neither does one saved with "
+            "save_only_model=True (which skips it; the config now refuses that with 'ema'). Resume from a full "
+            "checkpoint of an 'ema' run, or start the run again"
         )
     return path
 

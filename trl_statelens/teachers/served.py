@@ -8,14 +8,17 @@ import torch
 
 from .. import collective, heads
 from ..heads import Divergence, topk_tail_divergence
-from .base import ResolvedScores, RowScores, Teacher, answered, batch_rows, joined, resolve_rows
+from .base import ResolvedScores, RowScores, Teacher, answered, answers_on_every_rank, batch_rows, joined, resolve_rows
 from .loading import connect_served_teacher
-from .server_client import BackgroundRequests
+from .server_client import BackgroundRequests, TeacherServerError
 
 
 class ServedTeacher(Teacher):
     """A teacher behind a vLLM server, through [`TeacherServerClient`]; every rank asks for its own rows (its requests
-    need no collective; vLLM batches the ranks' concurrent requests itself).
+    need no collective; vLLM batches the ranks' concurrent requests itself). A request that fails on one rank raises
+    on every rank, where its answer is waited for ([`collective.raise_together`]: one all-gather of a failure flag per
+    `generate`, per `score` made at once, and per micro-batch whose answers are read), so that no rank is left
+    waiting for the failed one in a collective.
 
     Args:
         server ([`TeacherServerClient`]): the checked client.
@@ -72,6 +75,10 @@ class ServedTeacher(Teacher):
 
     def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
         sequences = joined(prompts, prefixes)
+        # Asked on every rank, rows or none: a request failed on any rank raises on all of them
+        return self._on_every_rank(lambda: self._continuations(sequences, max_new_tokens))
+
+    def _continuations(self, sequences, max_new_tokens) -> list[list[int]]:
         if not sequences:
             return []
         # A seed per row (vLLM would sample a request's identical prefixes alike), drawn from the run's seed
@@ -83,14 +90,25 @@ class ServedTeacher(Teacher):
         overlapped `session()` (its errors are raised where the answer is read), else at once. With `distribution`,
         the teacher's `top_k` log-probs per position (vLLM's `prompt_logprobs=top_k`)."""
         sequences, lengths = [p + c for p, c in zip(prompts, completions)], [len(p) for p in prompts]
+        top_k = self.top_k if distribution else 0
+        if self._requests is None:  # at once, asked on every rank, rows or none: a failure raises on all of them
+            scores = self._on_every_rank(lambda: self._scores(sequences, lengths, top_k) if sequences else [])
+            return batch_rows(answered(scores), len(sequences)) if sequences else []
         if not sequences:
             return []
-        top_k = self.top_k if distribution else 0
-        if self._requests is not None:
-            scores = self._requests.submit(self._scores, sequences, lengths, top_k)
-        else:
-            scores = answered(self._scores(sequences, lengths, top_k))
-        return batch_rows(scores, len(sequences))
+        return batch_rows(self._requests.submit(self._scores, sequences, lengths, top_k), len(sequences))
+
+    def _on_every_rank(self, request):
+        """`request()`, a call every rank makes as often as the others: when it fails on any rank, every rank raises
+        (its own error where it failed, a `TeacherServerError` naming that rank elsewhere)."""
+        answer, error = None, None
+        try:
+            answer = request()
+        except Exception as raised:  # noqa: BLE001 (raised on every rank below)
+            error = raised
+        what = "a request to the teacher server failed"
+        collective.raise_together(self.accelerator, error, what, TeacherServerError)
+        return answer
 
     def _scores(self, sequences, lengths, top_k) -> list[RowScores]:
         if not top_k:
@@ -113,6 +131,8 @@ class ServedTeacher(Teacher):
         chunks = collective.agreed_chunks(self.accelerator, int((loss_mask != 0).sum()), heads.POSITION_CHUNK) or [
             slice(0, 0)
         ]
+        # Every rank waits for its answers here, rows or none: a request failed on any rank raises on all of them
+        answers_on_every_rank(self.accelerator, batch["teacher_scores"] or [])
         if batch["teacher_scores"]:
             scores = resolve_rows(batch["teacher_scores"], batch["completion_ids"], batch["completion_mask"])
         else:  # no rows of this teacher here

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
+from .. import collective
 from ..checks import (
     FiniteGradientsMixin,
     bound_arguments,
@@ -22,6 +23,7 @@ from ..checks import (
     tokenizer_of,
 )
 from ..lens.callback import attach_state_logging
+from ..lens.endings import END_KINDS, end_kinds, end_token_ids, ending_metrics
 from ..lens.recorder import StateRecorderMixin
 
 
@@ -63,6 +65,12 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         self._loss_logps_and_entropies = None
         self._loss_masks = []
         self._reward_groups = []
+        # This step's rollouts as (end kind, text), and the teacher's log-probs of the end tokens the student
+        # sampled (OnPolicyDistillTrainer): `_collect_rollout_endings` turns them into `ends/*`
+        self._rollout_endings: list[tuple[str, str]] = []
+        self._teacher_end_logps: list[float] = []
+        self._advantages_after_answer: list[tuple[bool, float]] = []  # (ended there, teacher - student log-prob)
+        self._end_ids = end_token_ids(self._tokenizer, self.model)
         attach_state_logging(self, state_logging)
 
     def _tokens_after_prompt(self) -> int:
@@ -95,7 +103,59 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         # recording, with rewards, and not an evaluation's rollouts
         if self._state_buffer is not None and self._has_rewards and self.model.training:
             self._reward_groups += self._group_rewards(inputs, rewards)
+        if self._state_buffer is not None and self.model.training:
+            self._rollout_endings += self._endings(output["completion_ids"])
         return output
+
+    def _endings(self, completion_ids: torch.Tensor) -> list[tuple[str, str]]:
+        """Each rollout's end kind (`lens.endings.END_KINDS`) and text."""
+        tokenizer = self._tokenizer
+        pad = tokenizer.pad_token_id
+        kept = completion_ids != pad if pad not in (None, *self._end_ids) else torch.ones_like(completion_ids).bool()
+        kinds = end_kinds(completion_ids, kept, self._end_ids, self.args.max_completion_length)
+        return list(zip(kinds, tokenizer.batch_decode(completion_ids, skip_special_tokens=True)))
+
+    def _collect_rollout_endings(self) -> dict[str, float]:
+        """`ends/*` over this step's rollouts on every rank (a collective: every rank calls it): the share ending
+        with the end token, cut at the length limit and stopped short, the share repeating itself, and with a teacher
+        its mean log-prob of the end tokens the student sampled."""
+        endings, self._rollout_endings = self._rollout_endings, []
+        teacher, self._teacher_end_logps = self._teacher_end_logps, []
+        after, self._advantages_after_answer = self._advantages_after_answer, []
+        ending = [advantage for ended, advantage in after if ended]
+        going_on = [advantage for ended, advantage in after if not ended]
+        local = ending_metrics([kind for kind, _ in endings], [text for _, text in endings], "")
+        counts = [local[kind] * len(endings) for kind in END_KINDS] + [local["repeats"] * len(endings)]
+        totals = collective.sum_over_ranks(
+            self.accelerator,
+            torch.tensor(
+                [
+                    *counts,
+                    len(endings),
+                    sum(ending),
+                    len(ending),
+                    sum(going_on),
+                    len(going_on),
+                    sum(teacher),
+                    len(teacher),
+                ],
+                dtype=torch.float64,
+            ),
+        )
+        if not totals[len(END_KINDS) + 1]:
+            return {}
+        rollouts = totals[len(END_KINDS) + 1]
+        metrics = {f"ends/{kind}": totals[i] / rollouts for i, kind in enumerate(END_KINDS)}
+        metrics["ends/repeats"] = totals[len(END_KINDS)] / rollouts
+        after_answer_ending, ended_count, after_answer_going_on, going_on_count, at_ends, ends_count = totals[-6:]
+        metrics["ends/after_answer"] = (ended_count + going_on_count) / rollouts
+        if ends_count:
+            metrics["teacher_end/logp_at_student_ends"] = at_ends / ends_count
+        if ended_count:
+            metrics["teacher_end/advantage_after_answer_end"] = after_answer_ending / ended_count
+        if going_on_count:
+            metrics["teacher_end/advantage_after_answer_go_on"] = after_answer_going_on / going_on_count
+        return metrics
 
     def _group_rewards(self, inputs: list[dict], rewards: torch.Tensor) -> list[dict]:
         """Each prompt's group of rollouts in this generation batch, all processes' (every rank holds the same)."""

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_statelens.evaluation.answer_shape import clean_format, repeats_itself
+from trl_statelens.answers import clean_format, repeats_itself
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 
 ROOT = Path(__file__).resolve().parents[1]
