@@ -46,7 +46,8 @@ tree (`PYTHONPATH=$PWD`). Then one `run` call with `carry=[".whl"]` and `timeout
         python3 -m pip list 2>/dev/null | grep -iE "^(click|hf-xet|pyarrow|fsspec|regex|accelerate|torch) "; \\
         python3 bench/gpu_smoke.py $OUT/gpu_smoke.json
 
-Not yet run on a GPU: this session had none.
+First run on an H200 on 2026-12-04 (BENCHMARKS.md, section 7): with transformers 5.24.0 (5.25.0 asks that machine for
+the `kernels` package); the FSDP2 case failed there (a model left on the CPU), open.
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Every teacher call that reaches a model is made as many times on every rank (`collective.py`), whatever rows each
 rank holds: under ZeRO-3 each such call is a collective.
 
-Two ranks are played by two threads of this process, each training its own trainer on its own rows; the helper's
+Two ranks are played by two threads of this process, each training its own trainer on its own rows; the patched
 gather answers each with both ranks' counts, as the all-gather would. Their rows differ as two ranks' do: a router's
 rows per teacher (3 of teacher a's rows on one, 1 on the other), the rows drawn for teacher states (none on one
 rank), and the rollouts' lengths (2 and 5 tokens, with 2 positions per call of the output layer in a served

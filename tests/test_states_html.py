@@ -290,8 +290,13 @@ def test_page_renders_and_filters_in_chromium(browser, report_dir, tensorboard_o
 
     # unticking the learner source leaves only dataset sequences, and the fragment says so
     browser.click("#source-boxes label:nth-child(2) input")
-    shown = browser.run("return [...document.querySelectorAll('#sequences .seq-head .badge')].map(b => b.textContent)")
+    shown = browser.run(
+        "return [...document.querySelectorAll('#sequences .seq-head .badge.source')].map(b => b.textContent)"
+    )
     assert 0 < len(shown) < total and set(shown) == {"dataset"}
+    # each sampled rollout says how it ended (`lens.endings`)
+    ends = browser.run("return [...document.querySelectorAll('.badge[class*=\"end-\"]')].map(b => b.textContent)")
+    assert ends and set(ends) <= {"ended: end token", "cut at the length limit", "stopped short"}
     assert browser.run(f"return {VISIBLE}") == len(shown)
     assert "source=dataset" in browser.run("return location.hash")
 

@@ -22,7 +22,7 @@ truthfulqa (truth test), and `kb_dev` (the routed kb prompts' own questions: wha
 over test items (recipes/studies/study_lab.py's), and the per-task teacher metrics from each run's logs and ledger).
 
 Time, estimated from a 5-step timing of the `two_teachers` arm (2026-12-01, one torch thread): 10.5 s a step of 32
-prompts at load average 5 on the 2 cores (other sessions' jobs), about 6 s on a quiet machine (0.22 s a rollout,
+prompts at load average 5 on the 2 cores (other jobs on the machine), about 6 s on a quiet machine (0.22 s a rollout,
 recipes/studies/forgetting_study.py's divergence figure; kb rows are a few tokens). Per run add about 45 s (start, the
 evaluation after, report, probe). 6 runs of 20 steps and 3 evaluations, 2 at once, the kb teacher (20 s) and the
 summary (30 s): about 10 minutes on a quiet machine, about 17 at load 5.

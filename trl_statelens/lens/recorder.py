@@ -78,7 +78,7 @@ class StateRecorderMixin:
     def _sample_ending(self, completion_ids: torch.Tensor) -> dict:
         """A ledger sequence's end (`lens.endings.END_KINDS`) and whether it repeats itself, for trainers that sample
         their completions (a `max_completion_length`); nothing for SFT's dataset states."""
-        limit = getattr(self.args, "max_completion_length", None)
+        limit = getattr(getattr(self, "args", None), "max_completion_length", None)
         if limit is None or not len(completion_ids):
             return {}
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)

@@ -104,7 +104,9 @@ def plot_endings(runs, styles, out_dir: Path) -> Path | None:
                 if style == "":  # ledger samples: a few points, not a curve
                     panel.plot(x, y, "x", color=color, label=f"{label}: {what}", markersize=5)
                 else:
-                    panel.plot(x, y, linestyle=style, color=color, linewidth=width, label=f"{label}: {what}")
+                    # markers too: a value logged only on some steps (NaN between) is an isolated point
+                    panel.plot(x, y, linestyle=style, marker="o", markersize=3, color=color, linewidth=width,
+                               label=f"{label}: {what}")  # fmt: skip
     top.set_ylabel("share of rollouts")
     top.set_ylim(-0.02, 1.02)
     top.set_title("How rollouts end, and how many repeat themselves")

@@ -195,7 +195,7 @@ function renderSequence(seq, index) {
   head.className = "seq-head";
   const source = SOURCES[seq.src] || "?";
   head.innerHTML = `<b>${escapeHtml(DATA.runs[seq.r].label)}</b> · step ${seq.s} · ` +
-    `<span class="badge" style="background:${SOURCE_COLORS[source] || "#999"}">${source}</span> · ` +
+    `<span class="badge source" style="background:${SOURCE_COLORS[source] || "#999"}">${source}</span> · ` +
     (seq.te === null ? "" : `teacher <span class="badge teacher" style="background:${teacherColor(seq.te, 0)}">` +
       `${escapeHtml(seq.te)}</span> · `) +
     (!seq.sk ? "" : seq.sk === "recheck"
