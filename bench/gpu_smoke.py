@@ -324,6 +324,10 @@ def run_fsdp2(mode, model_dir: str) -> dict:
         "processes": processes,
         "returncode": done.returncode,
         "stderr_tail": done.stderr[-3000:] if done.returncode else "",
+        # the frames of the project's own code and TRL's in a failure, which the tail cuts off (2026-12-04's run)
+        "stderr_frames": [line for line in done.stderr.splitlines() if "trl_statelens" in line or "/trl/" in line]
+        if done.returncode
+        else [],
         "ranks": ranks,
         "checks": checks,
     }
