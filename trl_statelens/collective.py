@@ -5,8 +5,8 @@ The counts and sums the processes exchange for the trainer's bookkeeping go thro
 by patching this module alone (tests/test_collective.py). Callers reach these functions through the module
 (`collective.gather_counts(...)`), never by importing their names. Besides the teachers' calls below: the trainer's
 bad-row check (`opd/rollouts.py`), its per-step selection counts (`opd/trainer.py`) and teacher metrics
-(`opd/loss.py`), state selection (`opd/selection.py`), the teacher cache (`opd/cache.py`) and the records' teacher
-tokens (`lens/recorder.py`). What the main process alone knows reaches the others through [`from_main_process`]
+(`opd/loss.py`), state selection (`opd/selection.py`), the teacher cache (`opd/cache.py`), the records' teacher
+tokens (`lens/recorder.py`) and how the step's rollouts ended (`trainers/grpo.py`). What the main process alone knows reaches the others through [`from_main_process`]
 (`StateLoggingCallback`'s ledger totals at a resume and its `max_flops` stop), and a failure on one process is raised
 on all of them through [`raise_together`] (a served teacher's failed request: `teachers/base.py`,
 `teachers/served.py`). Tensors that travel whole (the loss's `num_items_in_batch`, the records' table, an EMA
@@ -28,8 +28,9 @@ Where (in `teachers/`): `InProcessTeacher.generate` (one call while any process 
 `ServedTeacher.divergence_loss` (the student's output layer, per `heads.POSITION_CHUNK` supervised positions). A
 [`SelfTeacher`] scores, writes and computes its loss through the first three; a router asks each of its teachers on
 every process, rows or none. A served teacher's scoring and writing are requests to its server, no model call; only
-whether one failed is gathered, on every process, rows or none ([`raise_together`]: `ServedTeacher`). With state selection (`skip_correct_rollouts`), `opd/selection.py`'s `divergence_on_scored_rows` hands a process
-whose rows were all skipped a stand-in row and calls the student's output layer once per micro-batch on every process.
+whether one failed is gathered, on every process, rows or none ([`raise_together`]: `ServedTeacher`). With state
+selection (`skip_correct_rollouts`), `opd/selection.py`'s `divergence_on_scored_rows` hands a process whose rows were
+all skipped a stand-in row and calls the student's output layer once per micro-batch on every process.
 A `divergence_loss` stand-in row, the in-process teacher's and state selection's alike, is [`stand_in_row`]'s: its
 student hidden state is zeros inside the student's graph, so the backward reaches the same student parameters on
 every process.
