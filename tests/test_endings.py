@@ -17,8 +17,7 @@ def read_jsonl(path):
 
 def test_end_kinds_tell_the_end_token_from_the_limit_and_a_stop():
     ids = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [5, 6, 0, 0]])  # 2 ends, 0 pads
-    kept = ids != 0
-    assert end_kinds(ids, kept, end_ids=[2], limit=4) == ["end_token", "length_limit", "stop"]
+    assert end_kinds(ids, end_ids=[2], limit=4, pad_id=0) == ["end_token", "length_limit", "stop"]
 
 
 @pytest.mark.parametrize(

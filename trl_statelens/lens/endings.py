@@ -34,12 +34,12 @@ def end_token_ids(tokenizer, model=None) -> list[int]:
     return sorted(ids)
 
 
-def end_kinds(
-    completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: list[int], limit: int
-) -> list[str]:
-    """Each row's end (:data:`END_KINDS`): the end token among its kept tokens, else cut if it holds ``limit``
-    tokens, else stopped short (a stop string or another stopping rule)."""
-    kept = completion_mask.bool()
+def end_kinds(completion_ids: torch.Tensor, end_ids: list[int], limit: int, pad_id: int | None = None) -> list[str]:
+    """Each row's end (:data:`END_KINDS`): the end token among its tokens, else cut if it holds ``limit`` tokens (its
+    `pad_id` padding left out; when the padding is an end token itself, a padded row has ended), else stopped short
+    (a stop string or another stopping rule)."""
+    padded = pad_id is not None and pad_id not in end_ids
+    kept = completion_ids != pad_id if padded else torch.ones_like(completion_ids, dtype=torch.bool)
     ended = (torch.isin(completion_ids, torch.tensor(end_ids, device=completion_ids.device)) & kept).any(dim=1)
     lengths = kept.sum(dim=1)
     return [

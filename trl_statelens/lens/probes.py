@@ -110,9 +110,8 @@ class ProbeMixin:
             model.train(was_training)
         completion_ids = output[:, inputs["input_ids"].size(1) :]
         # how each probe ended (`lens.endings`), read by the step's `drift/ends_*` and the teacher's end view
-        pad, ends = tokenizer.pad_token_id, end_token_ids(tokenizer, model)
-        kept = completion_ids != pad if pad not in (None, *ends) else torch.ones_like(completion_ids).bool()
-        self._probe_end_kinds = end_kinds(completion_ids, kept, ends, config.max_new_tokens)
+        ends = end_token_ids(tokenizer, model)
+        self._probe_end_kinds = end_kinds(completion_ids, ends, config.max_new_tokens, tokenizer.pad_token_id)
         return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     # ----- teacher disagreement on probe states ----------------------------------------------------------------------

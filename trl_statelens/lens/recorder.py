@@ -82,7 +82,7 @@ class StateRecorderMixin:
         if limit is None or not len(completion_ids):
             return {}
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        kind = end_kinds(completion_ids[None], torch.ones_like(completion_ids[None]), end_token_ids(tokenizer), limit)
+        kind = end_kinds(completion_ids[None], end_token_ids(tokenizer, getattr(self, "model", None)), limit)
         text = tokenizer.decode(completion_ids, skip_special_tokens=True)
         return {"end": kind[0], "repeats": repeats_itself(text)}
 

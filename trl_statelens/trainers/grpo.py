@@ -110,9 +110,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
     def _endings(self, completion_ids: torch.Tensor) -> list[tuple[str, str]]:
         """Each rollout's end kind (`lens.endings.END_KINDS`) and text."""
         tokenizer = self._tokenizer
-        pad = tokenizer.pad_token_id
-        kept = completion_ids != pad if pad not in (None, *self._end_ids) else torch.ones_like(completion_ids).bool()
-        kinds = end_kinds(completion_ids, kept, self._end_ids, self.args.max_completion_length)
+        kinds = end_kinds(completion_ids, self._end_ids, self.args.max_completion_length, tokenizer.pad_token_id)
         return list(zip(kinds, tokenizer.batch_decode(completion_ids, skip_special_tokens=True)))
 
     def _collect_rollout_endings(self) -> dict[str, float]:
