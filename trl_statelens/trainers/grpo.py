@@ -12,6 +12,7 @@ from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
 from .. import collective
+from ..answers import repeats_itself
 from ..checks import (
     FiniteGradientsMixin,
     bound_arguments,
@@ -23,7 +24,7 @@ from ..checks import (
     tokenizer_of,
 )
 from ..lens.callback import attach_state_logging
-from ..lens.endings import END_KINDS, end_kinds, end_token_ids, ending_metrics
+from ..lens.endings import END_KINDS, end_kinds, end_token_ids
 from ..lens.recorder import StateRecorderMixin
 
 
@@ -122,8 +123,9 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         after, self._advantages_after_answer = self._advantages_after_answer, []
         ending = [advantage for ended, advantage in after if ended]
         going_on = [advantage for ended, advantage in after if not ended]
-        local = ending_metrics([kind for kind, _ in endings], [text for _, text in endings], "")
-        counts = [local[kind] * len(endings) for kind in END_KINDS] + [local["repeats"] * len(endings)]
+        counts = [sum(k == kind for k, _ in endings) for kind in END_KINDS] + [
+            sum(repeats_itself(t) for _, t in endings)
+        ]
         totals = collective.sum_over_ranks(
             self.accelerator,
             torch.tensor(
