@@ -24,6 +24,12 @@ training pool, GSM8K's test split, TruthfulQA), then
 and writes `test.json` and `test.md`: paired differences with 95% bootstrap intervals over items. Finished parts
 are not run again.
 
+`--plan ends` runs the 2026-12-04 plan instead (STUDY.md, "A real model: a teacher that ends its answers"): candidates
+`ENDS` (K1, K2: the four solved problems as chat exchanges), dev scored on the clean-format share with the repeat
+share as a guard (`choose_ends`), in `<out>/dev/K*`; its test phase adds the 2026-12-03 C1 run's committed answers
+(`C1_ITEMS`) as an arm. `--candidate K2` runs one candidate's dev run only (two side by side on one GPU). On a machine
+with CUDA the runs train there (`--use_cpu false`).
+
 `demo-dev` runs `make demo-real`'s candidates (`DEMO_CANDIDATES`: the dev choice with a horizon, then with a larger
 learning rate) on the dev split in order until one passes the demo rule (STUDY.md, "The demo's setting" and its
 amendment), writing `demo.json`. `data` writes only the test data folder (`make demo-real`
@@ -69,8 +75,18 @@ CANDIDATES = {
     "C1": ("shots", ["--context_shots", str(NUM_SHOTS)]),
     "C2": ("solution", []),
 }
+# the 2026-12-04 plan: the self teacher behind the same four problems as chat exchanges, closed by the end token
+ENDS = {
+    "K1": ("chat_shots", ["--context_shots", str(NUM_SHOTS), "--context_format", "chat"]),
+    "K2": ("chat_shots", ["--context_shots", str(NUM_SHOTS), "--context_format", "chat",
+                          "--mask_truncated_completions", "true"]),
+}  # fmt: skip
+PLANS = {"c": CANDIDATES, "ends": ENDS}
+ENDS_MARGIN, ENDS_GUARD = 0.03, 0.05  # the rule's tolerance below the best; the repeat share's allowance over the base
+C1_ITEMS = ROOT / "docs" / "study" / "real" / "test" / "opd" / "eval" / "after.items.jsonl"
+ON_GPU = ["--use_cpu", "false"] if torch.cuda.is_available() else []  # the real configs say use_cpu: true
 SETTING = [
-    "--config", str(ROOT / "recipes" / "configs" / "real" / "self_distill.yaml"),
+    "--config", str(ROOT / "recipes" / "configs" / "real" / "self_distill.yaml"), *ON_GPU,
     "--signal", "reverse_kl", "--per_device_train_batch_size", "8", "--num_generations", "2",
     "--max_completion_length", "128", "--learning_rate", "2e-4", "--lr_scheduler_type", "constant",
     "--eval_max_new_tokens", "256", "--num_probes", "0", "--seed", "0",
@@ -128,22 +144,59 @@ def dev_command(
 ) -> list[str]:
     """Candidate `name`'s dev run (`extra` flags added, in `<out>/dev/<run_name or name>`), scored every `every`
     steps; the first candidate's run also scores the base."""
-    view, flags = CANDIDATES[name]
+    plan = next(p for p in PLANS.values() if name in p)
+    view, flags = plan[name]
     steps, every, items = (2, 1, 2) if smoke else (steps, every, DEV_ITEMS)
-    first = name == next(iter(CANDIDATES)) and not run_name
+    first = name == next(iter(plan)) and not run_name
     evaluation = ["--eval_tasks", "gsm8k", "--eval_limit", f"gsm8k={items}"] if first else ["--eval_tasks", ""]
     return [
-        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags, *extra,
-        "--teacher_prompt_template", TEMPLATES[view], "--dataset_name", str(folder), "--eval_data", str(folder.parent),
+        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags, *extra, *template_flag(view),
+        "--dataset_name", str(folder), "--eval_data", str(folder.parent),
         "--output_dir", str(out / "dev" / (run_name or name)), "--max_steps", str(steps),
         "--target_eval_steps", str(every), "--target_eval_limit", str(items),
         "--eval_before", "true" if first else "false", *evaluation, *(SMOKE if smoke else []),
     ]  # fmt: skip
 
 
-def dev_curve(run_dir: Path) -> dict[int, float]:
+def template_flag(view: str) -> list[str]:
+    """The view's `--teacher_prompt_template`; none for chat exchanges, which the self teacher reads as turns."""
+    return ["--teacher_prompt_template", TEMPLATES[view]] if view in TEMPLATES else []
+
+
+def dev_curve(run_dir: Path, metric: str = DEV_METRIC) -> dict[int, float]:
     history = json.loads((run_dir / "log_history.json").read_text())
-    return {e["step"]: e[DEV_METRIC] for e in history if DEV_METRIC in e}
+    return {e["step"]: e[metric] for e in history if metric in e}
+
+
+def choose_ends(out: Path, base: dict[str, float], steps: list[int]) -> dict:
+    """The 2026-12-04 rule (STUDY.md): a (candidate, step) passes the guard when its dev repeat share is at most the
+    base's + ENDS_GUARD; its smoothed score is the mean of its clean share there and at the run's previous scored step
+    (the first scored step: itself; the base never). `best` = the highest smoothed score among those passing; chosen
+    = the fewest steps (then the earlier candidate) within ENDS_MARGIN of it; `moves` when best >= base + MOVES_BY.
+    No pair passing, or none moving, is the result: `candidate` None."""
+    rows = []
+    for index, name in enumerate(ENDS):
+        run_dir = out / "dev" / name
+        clean, repeats = dev_curve(run_dir, "eval/gsm8k/clean_format"), dev_curve(run_dir, "eval/gsm8k/repeats")
+        missing = [s for s in steps if s not in clean or s not in repeats]
+        if missing:
+            raise ValueError(f"{run_dir} has no dev score at steps {missing}")
+        for i, s in enumerate(steps):
+            smooth = statistics.mean([clean[s], clean[steps[max(0, i - 1)]]])
+            passes = repeats[s] <= base["repeats"] + ENDS_GUARD + 1e-9
+            rows.append({"candidate": name, "index": index, "steps": s, "clean": clean[s], "smoothed": smooth,
+                         "repeats": repeats[s], "guard": passes})  # fmt: skip
+    passing = [r for r in rows if r["guard"]]
+    best = max((r["smoothed"] for r in passing), default=None)
+    moves = best is not None and best >= base["clean_format"] + MOVES_BY - 1e-9
+    pick = None
+    if moves:
+        pick = min((r for r in passing if r["smoothed"] >= best - ENDS_MARGIN - 1e-9),
+                   key=lambda r: (r["steps"], r["index"]))  # fmt: skip
+    return {
+        "candidate": pick and pick["candidate"], "steps": pick and pick["steps"], "best_smoothed": best,
+        "moves": moves, "base_dev": base, "candidates": rows,
+    }  # fmt: skip
 
 
 def choose(out: Path, base: float, steps: list[int]) -> dict:
@@ -166,15 +219,21 @@ def choose(out: Path, base: float, steps: list[int]) -> dict:
     }  # fmt: skip
 
 
-def dev_phase(data: Path, out: Path, smoke: bool) -> dict:
+def dev_phase(data: Path, out: Path, smoke: bool, plan: str = "c", only: str | None = None) -> dict | None:
     folder = write_dev_data(data, out)
-    for name in CANDIDATES:
+    for name in PLANS[plan]:
+        if only not in (None, name):
+            continue
         run_dir = out / "dev" / name
         if (run_dir / "results.json").exists():
             continue
         shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run starts again
         (out / "logs").mkdir(parents=True, exist_ok=True)
         run(dev_command(name, folder, out, smoke), out / "logs" / f"dev_{name}.log")
+    if only is not None:
+        return None
+    if plan == "ends":
+        return ends_dev_summary(out, smoke)
     first = out / "dev" / next(iter(CANDIDATES))
     base = json.loads((first / "eval" / "before.json").read_text())["metrics"]["gsm8k"]["answer_found"]
     chosen = choose(out, base, [1, 2] if smoke else list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)))
@@ -189,6 +248,35 @@ def dev_phase(data: Path, out: Path, smoke: bool) -> dict:
         f"| {c['candidate']} | {c['steps']} | {c['dev']:.3f} | {c['smoothed']:.3f} |" for c in chosen["candidates"]
     ]
     lines += ["", f"chosen: {chosen['candidate']} at {chosen['steps']} steps; moves: {chosen['moves']}"]
+    (out / "dev.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return chosen
+
+
+def ends_dev_summary(out: Path, smoke: bool) -> dict:
+    """Apply `choose_ends` to K1 and K2's dev runs; write `chosen.json` and `dev.md`."""
+    before = json.loads((out / "dev" / next(iter(ENDS)) / "eval" / "before.json").read_text())["metrics"]["gsm8k"]
+    base = {m: before[m] for m in ("answer_found", "clean_format", "repeats")}
+    chosen = choose_ends(out, base, [1, 2] if smoke else list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)))
+    (out / "chosen.json").write_text(json.dumps(chosen, indent=2))
+    lines = [
+        f"base dev: format {base['answer_found']:.3f}, clean {base['clean_format']:.3f}, "
+        f"repeats {base['repeats']:.3f} (guard: repeats <= {base['repeats'] + ENDS_GUARD:.3f})",
+        "",
+        "| candidate | steps | clean | smoothed | repeats | guard |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {r['candidate']} | {r['steps']} | {r['clean']:.3f} | {r['smoothed']:.3f} | {r['repeats']:.3f} "
+        f"| {'pass' if r['guard'] else 'fails'} |"
+        for r in chosen["candidates"]
+    ]
+    verdict = (
+        f"chosen: {chosen['candidate']} at {chosen['steps']} steps"
+        if chosen["candidate"]
+        else "no pair passes the guard and moves: no test run"
+    )
+    lines += ["", f"best smoothed: {chosen['best_smoothed']}; moves: {chosen['moves']}; {verdict}"]
     (out / "dev.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return chosen
@@ -249,10 +337,10 @@ class TeacherViewTask(GSM8KTask):
 
 
 def opd_test_command(chosen: dict, folder: Path, out: Path, smoke: bool) -> list[str]:
-    view, flags = CANDIDATES[chosen["candidate"]]
+    view, flags = {**CANDIDATES, **ENDS}[chosen["candidate"]]
     return [
-        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags,
-        "--teacher_prompt_template", TEMPLATES[view], "--dataset_name", str(folder / "gsm8k"),
+        sys.executable, str(ROOT / "recipes" / "self_distill.py"), *SETTING, *flags, *template_flag(view),
+        "--dataset_name", str(folder / "gsm8k"),
         "--eval_data", str(folder), "--output_dir", str(out / "test" / "opd"), "--max_steps", str(chosen["steps"]),
         "--eval_before", "true", "--eval_tasks", "gsm8k,truthfulqa",
         "--eval_limit", eval_limit_flag(smoke),
@@ -271,7 +359,7 @@ def sft_test_command(folder: Path, out: Path, max_flops: float, smoke: bool) -> 
         "eval_limit": eval_limit_flag(smoke), "eval_before": False,
         "eval_max_new_tokens": 8 if smoke else 256, "output_dir": str(out / "test" / "sft"),
         "per_device_train_batch_size": 8, "learning_rate": 2.0e-4, "max_length": 512,
-        "max_steps": 1000, "max_flops": max_flops,
+        "max_steps": 1000, "max_flops": max_flops, "use_cpu": not torch.cuda.is_available(),
     })  # fmt: skip
     path = out / "test" / "sft.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,7 +371,7 @@ def teacher_eval(chosen: dict, data: Path, folder: Path, out: Path, smoke: bool)
     """The base behind the chosen view's template, scored on the OPD run's GSM8K test problems."""
     path = out / "test" / "teacher" / "eval.json"
     if not path.exists():
-        view, _ = CANDIDATES[chosen["candidate"]]
+        view, _ = {**CANDIDATES, **ENDS}[chosen["candidate"]]
         task = TeacherViewTask(
             view, real_splits(data)[1], source=str(folder / "gsm8k"), split="test", prompt_format="chat",
             max_new_tokens=8 if smoke else 256, limit=item_limits(smoke)["gsm8k"], seed=0,
@@ -395,6 +483,9 @@ def lens_summary(run_dir: Path, window: int = 5) -> dict:
 
 def test_phase(data: Path, out: Path, smoke: bool) -> dict:
     chosen = json.loads((out / "chosen.json").read_text())
+    if chosen["candidate"] is None:
+        sys.exit(f"{out / 'chosen.json'}: the dev rule chose nothing (see dev.md), so there is no test run")
+    ends = chosen["candidate"] in ENDS
     folder = write_test_data(data, out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     opd = out / "test" / "opd"
@@ -420,6 +511,10 @@ def test_phase(data: Path, out: Path, smoke: bool) -> dict:
         "sft": arm_scores(sft / "eval" / "after.items.jsonl", nll["sft"]),
         "teacher": arm_scores(teacher_items, None),
     }
+    comparisons = [("opd", "base"), ("sft", "base"), ("opd", "sft"), ("teacher", "opd")]
+    if ends:  # the 2026-12-03 run's committed answers (its NLLs are in docs/study/real/test/reference_nll.json)
+        arms["c1"] = arm_scores(C1_ITEMS, json.loads((C1_ITEMS.parents[2] / "reference_nll.json").read_text())["opd"])
+        comparisons.insert(1, ("opd", "c1"))
     sft_results = json.loads((sft / "results.json").read_text())
     results = {
         "chosen": chosen,
@@ -427,8 +522,7 @@ def test_phase(data: Path, out: Path, smoke: bool) -> dict:
         "steps": {"opd": chosen["steps"], "sft": sft_results["global_steps"]},
         "means": {arm: {m: statistics.mean(v.values()) for m, v in scores.items()} for arm, scores in arms.items()},
         "paired": {
-            f"{a} - {b}": {m: paired(arms[a][m], arms[b][m]) for m in arms[a] if m in arms[b]}
-            for a, b in (("opd", "base"), ("sft", "base"), ("opd", "sft"), ("teacher", "opd"))
+            f"{a} - {b}": {m: paired(arms[a][m], arms[b][m]) for m in arms[a] if m in arms[b]} for a, b in comparisons
         },
         "lens": lens_summary(opd),
     }
@@ -459,13 +553,17 @@ if __name__ == "__main__":
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
     parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
     parser.add_argument("--smoke", action="store_true", help="2 steps per run, 2 problems per task, 8 tokens")
+    parser.add_argument("--plan", choices=list(PLANS), default="c", help="c: 2026-12-03 (C1, C2); ends: 2026-12-04")
+    parser.add_argument("--candidate", help="dev: run only this candidate of the plan (no choice made)")
     args = parser.parse_args()
     if not (args.data / "gsm8k" / "train.jsonl").exists():
         sys.exit(f"needs real GSM8K at {args.data / 'gsm8k'} (see ../shared/data/README.md)")
     if args.phase == "data":
         print(write_test_data(args.data, args.out))
     elif args.phase == "dev":
-        dev_phase(args.data, args.out, args.smoke)
+        if args.candidate not in (None, *PLANS[args.plan]):
+            sys.exit(f"--candidate {args.candidate} is not in plan {args.plan}: one of {', '.join(PLANS[args.plan])}")
+        dev_phase(args.data, args.out, args.smoke, args.plan, args.candidate)
     else:
         if not (args.out / "chosen.json").exists():
             sys.exit(f"no dev choice at {args.out / 'chosen.json'}: run the dev phase first")
