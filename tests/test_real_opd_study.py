@@ -35,6 +35,32 @@ def test_a_candidate_without_a_score_at_a_step_stops_the_rule(tmp_path):
         study.choose(tmp_path, base=0.1, steps=[10, 20, 30, 40])
 
 
+def write_ends_curve(out: Path, name: str, clean: dict[int, float], repeats: dict[int, float]) -> None:
+    run = out / "dev" / name
+    run.mkdir(parents=True)
+    history = [{"step": s, "eval/gsm8k/clean_format": v, "eval/gsm8k/repeats": repeats[s]} for s, v in clean.items()]
+    (run / "log_history.json").write_text(json.dumps(history))
+
+
+def test_the_ends_rule_smooths_backwards_keeps_the_repeat_guard_and_takes_the_fewest_steps(tmp_path):
+    """The 2026-12-04 rule (STUDY.md): smoothed = mean of this and the previous scored step's clean share; pairs whose
+    repeat share exceeds the base's + 0.05 are out; the fewest steps within 0.03 of the best, K1 first."""
+    write_ends_curve(tmp_path, "K1", {10: 0.30, 20: 0.50, 30: 0.70, 40: 0.74}, {10: 0.2, 20: 0.2, 30: 0.5, 40: 0.2})
+    write_ends_curve(tmp_path, "K2", {10: 0.40, 20: 0.60, 30: 0.66, 40: 0.64}, {10: 0.2, 20: 0.2, 30: 0.2, 40: 0.2})
+    base = {"answer_found": 0.1, "clean_format": 0.0, "repeats": 0.40}
+    chosen = study.choose_ends(tmp_path, base, [10, 20, 30, 40])
+    # K1 smoothed 0.30 0.40 0.60(guard fails: 0.5 > 0.45) 0.72; K2 0.40 0.50 0.63 0.65 -> best 0.72, within 0.03:
+    # only K1 at 40 (K2's 0.65 is 0.07 below)
+    assert chosen["best_smoothed"] == pytest.approx(0.72)
+    assert (chosen["candidate"], chosen["steps"], chosen["moves"]) == ("K1", 40, True)
+    k1_30 = next(r for r in chosen["candidates"] if (r["candidate"], r["steps"]) == ("K1", 30))
+    assert not k1_30["guard"] and k1_30["smoothed"] == pytest.approx(0.60)
+    base["repeats"] = 0.10  # every pair's repeat share is over 0.15: nothing passes, nothing is chosen
+    assert study.choose_ends(tmp_path, base, [10, 20, 30, 40])["candidate"] is None
+    base.update(repeats=0.40, clean_format=0.65)  # best 0.72 < 0.65 + 0.10: it does not move
+    assert study.choose_ends(tmp_path, base, [10, 20, 30, 40])["candidate"] is None
+
+
 def test_the_demo_rule_takes_the_fewest_steps_that_reach_the_reference_and_fit_the_demo_time():
     curve = {10: 0.35, 20: 0.45}
     assert study.demo_steps(curve, reference=0.391, step_seconds=15) == 20  # step 10 is below the reference

@@ -43,11 +43,15 @@ def training_texts(world: LabWorld, num_documents: int = 20000, seed: int = 0) -
     yield "system user assistant"
 
 
-def build_tokenizer(world: LabWorld, vocab_size: int = 1024, num_documents: int = 20000) -> PreTrainedTokenizerFast:
-    """Train the lab tokenizer (a few seconds). Digits are split one by one so arithmetic stays learnable."""
+def build_tokenizer(
+    world: LabWorld, vocab_size: int = 1024, num_documents: int = 20000, individual_digits: bool = True
+) -> PreTrainedTokenizerFast:
+    """Train the lab tokenizer (a few seconds). Digits are split one by one so arithmetic stays learnable;
+    `individual_digits=False` keeps runs of digits together for the merges to join (a second lab tokenizer, for a
+    teacher of another tokenizer)."""
     tok = Tokenizer(models.BPE())  # no unk token: the byte-level alphabet covers every string
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Digits(individual_digits=individual_digits), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -22,7 +22,8 @@ from ..heads import (
 )
 from ..lens.endings import answer_end_position
 from ..lens.records import SKIPPED
-from ..teachers import resolve_rows
+from ..teachers import resolve_rows, resolved_signal
+from ..teachers.alignment import TeacherSignal, chunk_totals, spread_over_chunks
 from .rollouts import LEARNER
 from .selection import divergence_on_scored_rows
 
@@ -117,6 +118,7 @@ class LossMixin:
         # batch (all processes), which spans steps_per_generation micro-batches, of which one step accumulates
         # gradient_accumulation_steps
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        signal = None  # how a teacher of another tokenizer carried its log-probs over (`teachers/alignment.py`)
         if self.model.training:
             # (the Trainer sets current_gradient_accumulation_steps in its loop; the last window of an epoch is shorter)
             accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
@@ -150,8 +152,13 @@ class LossMixin:
             )
             self._loss_logps_and_entropies = None  # recorded below, with per-token sources and teacher log-probs
             teacher_logps = self._resolve_teacher_logps(inputs)  # waits here for a served teacher's answer
+            signal = resolved_signal(inputs["teacher_scores"], completion_ids)  # None: the student's tokenizer
+            compared_logps = logps.detach()
+            if signal is not None:  # a teacher of another tokenizer: compared chunk by chunk (teachers/alignment.py)
+                compared_logps = chunk_totals(compared_logps, signal)
+                self._log_alignment(signal, loss_mask)
             if self.args.signal == "reverse_kl":
-                weights = self._reverse_kl_advantages(logps.detach(), teacher_logps, loss_mask)
+                weights = self._reverse_kl_advantages(compared_logps, teacher_logps, loss_mask, signal)
                 if self.args.reward_weight:
                     weights = weights + self.args.reward_weight * inputs["advantages"][:, None] * loss_mask
                 per_token_loss = -weights * logps * loss_mask
@@ -168,9 +175,11 @@ class LossMixin:
 
         if self.teacher_cache is not None and self.model.training:  # the staleness of the batch trained on
             self.teacher_cache.observe(inputs, logps)
+        if self.args.signal == "divergence":
+            compared_logps = logps.detach()
         scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
         self._log_teacher_metrics(
-            logps.detach(), teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]
+            compared_logps, teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]
         )
         if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
             # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
@@ -178,8 +187,12 @@ class LossMixin:
             at_ends = teacher_logps.detach()[ends & scored & loss_mask.bool()]
             self._teacher_end_logps += at_ends[torch.isfinite(at_ends)].tolist()
             self._advantages_after_answer += after_answer_advantages(
-                self._tokenizer, completion_ids, scored & loss_mask.bool(), ends, logps.detach(), teacher_logps
+                self._tokenizer, completion_ids, scored & loss_mask.bool(), ends, compared_logps, teacher_logps
             )
+        if (
+            signal is not None
+        ):  # the chunk's log-prob is on its last token; the others have no teacher value of their own
+            teacher_logps = teacher_logps.masked_fill(signal == TeacherSignal.CHUNK_INSIDE, float("nan"))
         if self.model.training:
             align = lambda x: F.pad(x, (prompt_ids.size(1), 0))  # noqa: E731 (completion -> full sequence)
             recorded = loss_mask.bool()
@@ -207,12 +220,25 @@ class LossMixin:
             )
         return loss
 
-    def _reverse_kl_advantages(self, logps, teacher_logps, mask):
-        """`A_t = -sum_k gamma^k (log p_S - log p_T)_{t+k}` over the valid tokens of each row."""
+    def _reverse_kl_advantages(self, logps, teacher_logps, mask, signal=None):
+        """`A_t = -sum_k gamma^k (log p_S - log p_T)_{t+k}` over the valid tokens of each row. From a teacher of another
+        tokenizer (`signal`), `logps` and `teacher_logps` hold each chunk's log-prob on its last token, and every
+        token of a chunk gets the chunk's advantage (one token per chunk where the tokenizations agree: unchanged)."""
         kl = (logps - teacher_logps) * mask
         if self.args.kl_discount > 0:
             kl = _discounted_reverse_cumsum(kl, self.args.kl_discount)
-        return -kl * mask
+        advantages = -kl * mask
+        return advantages if signal is None else spread_over_chunks(advantages, signal) * mask
+
+    def _log_alignment(self, signal, loss_mask):
+        """`alignment/exact`: the share of supervised tokens whose teacher log-prob is exact (the rest are in chunks:
+        `teachers/alignment.py`), over every process."""
+        supervised = loss_mask.bool()
+        sums = torch.stack([((signal == TeacherSignal.EXACT) & supervised).sum(), supervised.sum()]).float()
+        exact, total = collective.sum_over_ranks(self.accelerator, sums)
+        if total > 0:
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["alignment/exact"].append(exact / total)
 
     def _divergence_loss(self, unwrapped, inputs, input_ids, attention_mask, loss_mask, normalizer):
         """Runs inside the student wrapper's forward (so DDP/DeepSpeed see one forward): the teacher's divergence loss

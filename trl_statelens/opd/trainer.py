@@ -24,12 +24,12 @@ from trl.models.utils import _ForwardRedirection
 from .. import collective
 from ..lens.step_counts import StepCounts
 from ..teachers import (
-    InProcessTeacher,
     SelfTeacher,
     ServedTeacher,
     TeacherRouter,
     load_teacher,
     load_teachers,
+    teacher_in_process,
 )
 from ..trainers.grpo import StateLensGRPOTrainer
 from .cache import TeacherCache
@@ -213,13 +213,14 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         elif args.teacher_model_server_url is not None:
             self.teacher = ServedTeacher.connect(self, teacher_path)
         else:
-            self.teacher = InProcessTeacher.prepared(self, teacher_model, teacher_path)
+            self.teacher = teacher_in_process(self, teacher_model, teacher_path)
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
         # served teacher, several teachers)
         self.teacher_model = self.teacher.model
         # The teacher the probe's disagreement scores on the probe prompts (StateLoggingCallback): none for a teacher
         # that reads prompts of its own, which the probe prompts do not hold
-        self.probe_teacher_model = None if self.teacher.reads_own_prompts else self.teacher.model
+        reads_probes = self.teacher.reads_student_ids and not self.teacher.reads_own_prompts
+        self.probe_teacher_model = self.teacher.model if reads_probes else None
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's
             # tokens and divergence on full distributions (TRL's DistillationTrainer applies no ratio either)

@@ -25,6 +25,8 @@ its own module:
   `privileged_context` (self-distillation with privileged context), with its weights from `self_teacher_weights.py`:
   the student's own (live, or a PEFT student's base), a copy (its weights at the start, or an exponential average),
   or an average of a PEFT student's adapter;
+- [`CrossTokenizerTeacher`] (`cross_tokenizer.py`): an in-process teacher of another tokenizer, reading the rows as
+  text in its own tokens, its log-probs carried back onto the student's (`byte_vocab.py`, `alignment.py`);
 - [`TeacherRouter`] (`router.py`): several teachers, each row sent to the teacher of its `teacher_id` (in-process and
   served mixed).
 
@@ -36,7 +38,8 @@ forward, a generation, an output layer) is collective, so each rank makes as man
 each row to its own teacher, and a self teacher is handed its own prompts in place of the student's.
 """
 
-from .base import ResolvedScores, RowScores, Teacher, TeacherRow, answered, resolve_rows
+from .base import ResolvedScores, RowScores, Teacher, TeacherRow, answered, resolve_rows, resolved_signal
+from .cross_tokenizer import CrossTokenizerTeacher, teacher_in_process
 from .in_process import InProcessTeacher
 from .loading import connect_served_teacher, load_teacher, load_teachers, without_zero3_init
 from .router import TeacherRouter
@@ -45,6 +48,7 @@ from .served import ServedTeacher
 from .server_client import TeacherServerClient, TeacherServerError, client_without_local_vllm
 
 __all__ = [
+    "CrossTokenizerTeacher",
     "InProcessTeacher",
     "ResolvedScores",
     "RowScores",
@@ -61,5 +65,7 @@ __all__ = [
     "load_teacher",
     "load_teachers",
     "resolve_rows",
+    "resolved_signal",
+    "teacher_in_process",
     "without_zero3_init",
 ]

@@ -299,3 +299,27 @@ def map_next_token_distribution(table: NextTokenMap, teacher_probs: torch.Tensor
         prefix_mass.reshape(*batch_shape, -1),
         unresolved_mass.reshape(*batch_shape, -1),
     )
+
+
+def chunk_index(signal: torch.Tensor) -> torch.Tensor:
+    """Each token's chunk, counted from 0 along the last dimension, from its [`TeacherSignal`] `(..., T)`: a chunk
+    ends at each token that is not `CHUNK_INSIDE`."""
+    ends = (signal != TeacherSignal.CHUNK_INSIDE).long()
+    return ends.cumsum(-1) - ends
+
+
+def chunk_totals(values: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
+    """`values` `(B, T)` summed over each chunk, on the chunk's last token (0 on its other tokens): the student's
+    log-probs laid out as [`student_token_teacher_logprobs`] lays out the teacher's. The identity when every token is
+    `EXACT`."""
+    index = chunk_index(signal)
+    sums = torch.zeros_like(values).scatter_add(-1, index, values)
+    return sums.gather(-1, index).masked_fill(signal == TeacherSignal.CHUNK_INSIDE, 0.0)
+
+
+def spread_over_chunks(values: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
+    """Each token given the value on its chunk's last token `(B, T)`: a chunk's advantage for every token that
+    wrote it. The identity when every token is `EXACT`."""
+    index = chunk_index(signal)
+    at_ends = values.masked_fill(signal == TeacherSignal.CHUNK_INSIDE, 0.0)
+    return torch.zeros_like(values).scatter_add(-1, index, at_ends).gather(-1, index)

@@ -48,11 +48,14 @@ class TeacherRow(NamedTuple):
 
 class RowScores(NamedTuple):
     """A row's teacher scores over its completion tokens: `logps` `(n,)`, and with a distribution asked for, the
-    teacher's `top_ids` and `top_logps` `(n, k)` per position (`-inf` where absent)."""
+    teacher's `top_ids` and `top_logps` `(n, k)` per position (`-inf` where absent). A teacher of another tokenizer
+    (`cross_tokenizer.py`) adds `signal` `(n,)`: how each token's log-prob was carried over
+    (`alignment.TeacherSignal`: exact, or the last or an inner token of a chunk)."""
 
     logps: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_logps: torch.Tensor | None = None
+    signal: torch.Tensor | None = None
 
 
 class ResolvedScores(NamedTuple):
@@ -119,6 +122,19 @@ def resolve_rows(
     return ResolvedScores(logps, top_ids, top_logps.masked_fill(~mask[..., None], float("-inf")))
 
 
+def resolved_signal(rows: list[TeacherRow], completion_ids: torch.Tensor) -> torch.Tensor | None:
+    """How a teacher of another tokenizer carried each completion token's log-prob over (`alignment.TeacherSignal`
+    `(B, T)`, `EXACT` on padding), or `None` for a teacher of the student's tokenizer. Read after [`resolve_rows`]
+    (the answers are in: no wait, no collective)."""
+    scores = [row.scores.result()[row.index] for row in rows]
+    if not scores or scores[0].signal is None:
+        return None
+    signal = torch.zeros(completion_ids.shape, dtype=torch.long, device=completion_ids.device)  # 0: EXACT
+    for i, row in enumerate(scores):
+        signal[i, : row.signal.size(0)] = row.signal.to(completion_ids.device)
+    return signal
+
+
 def left_padded(rows: list[list[int]], pad_id: int, pad_to_multiple_of: int | None = None):
     """Token rows as `(ids, mask)` tensors, left-padded as GRPO pads its prompts (each row ends where the completion
     that follows it starts)."""
@@ -149,6 +165,7 @@ class Teacher:
     model: PreTrainedModel | None = None
     names: tuple[str, ...] = ()  # the teachers a [`TeacherRouter`] sends rows to; none for a single teacher
     reads_own_prompts: bool = False  # its prompts differ from the student's (recorded in the ledger)
+    reads_student_ids: bool = True  # False for a teacher of another tokenizer, which reads text (no probe teacher)
 
     def prompts(self, student_prompts: list[list[int]], rows: list[dict]) -> list[list[int]]:
         """The prompt this teacher reads for each row (`rows`: the dataset rows, one per rollout), given the

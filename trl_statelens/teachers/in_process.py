@@ -25,12 +25,13 @@ from .base import (
 from .vocabulary import check_same_vocabulary, vocab_size
 
 
-def prepare_teacher_model(trainer, model: PreTrainedModel, path: str | None = None):
+def prepare_teacher_model(trainer, model: PreTrainedModel, path: str | None = None, same_vocabulary: bool = True):
     """`model` made a teacher for `trainer`: its vocabulary checked against the student's (and its tokenizer, saved at
-    `path`), frozen, in eval mode, with the trainer's fused LM head, prepared as the student is (device, DDP,
-    DeepSpeed)."""
+    `path`; not for a teacher of another tokenizer, `same_vocabulary=False`), frozen, in eval mode, with the trainer's
+    fused LM head, prepared as the student is (device, DDP, DeepSpeed)."""
     args = trainer.args
-    check_same_vocabulary(trainer.model, trainer._tokenizer, model, path, args.signal)
+    if same_vocabulary:
+        check_same_vocabulary(trainer.model, trainer._tokenizer, model, path, args.signal)
     model.eval()
     model.requires_grad_(False)
     add_fused_lm_head(model, temperature=trainer.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
@@ -54,6 +55,7 @@ class InProcessTeacher(Teacher):
 
     def __init__(self, trainer, model):
         self.trainer, self.model = trainer, model
+        self.pad_id = trainer._tokenizer.pad_token_id  # what pads the rows it reads (ids of its vocabulary)
 
     @classmethod
     def prepared(cls, trainer, model: PreTrainedModel, path: str | None = None) -> InProcessTeacher:
@@ -112,13 +114,18 @@ class InProcessTeacher(Teacher):
         student's hidden states of the same rows."""
         if distribution:
             return None
+        scores = self._score_rows(prompts, completions)
+        return batch_rows(answered(scores), len(scores))
+
+    def _score_rows(self, prompts, completions) -> list[RowScores]:
+        """`score`'s [`RowScores`], one per row of this rank, computed now (none when no rank has rows)."""
         trainer = self.trainer
         args = trainer.args
         batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
         chunks = collective.agreed_chunks(trainer.accelerator, len(prompts), batch_size)
         if not chunks:
             return []
-        pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
+        pad_id, multiple = self.pad_id, trainer.pad_to_multiple_of
         num_rows = len(prompts)
         prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
         device = trainer.accelerator.device
@@ -135,8 +142,7 @@ class InProcessTeacher(Teacher):
             )
             logps.append(chunk_logps)
         logps = torch.cat(logps)  # this rank's rows first, then any stand-ins
-        scores = [RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows]
-        return batch_rows(answered(scores), len(scores))
+        return [RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows]
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """TRL's exact generalised JSD over the full vocabulary, in chunks (its divergence kernel, as

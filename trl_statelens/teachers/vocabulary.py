@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 logger = logging.getLogger(__name__)
 
 CROSS_TOKENIZER_HINT = (
-    "Use a teacher with the student's tokenizer, or TRL's GOLDTrainer for cross-tokenizer distillation."
+    "Use a teacher with the student's tokenizer; or, for signal='reverse_kl', one in-process teacher given by a path "
+    "that holds its own tokenizer (read as text in its tokens: docs/cross-tokenizer.md); or TRL's GOLDTrainer."
 )
 
 

@@ -1,0 +1,141 @@
+"""A teacher of another tokenizer in the trainer (`teachers/cross_tokenizer.py`, issue 45): the same tokenizer sent
+through the cross-tokenizer path trains exactly as the direct path does; another lab tokenizer's teacher gives the
+student's tokens its own log-probs of the same text, chunk by chunk."""
+
+import pytest
+import torch
+from cpu_settings import CPU
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens.lab import LabWorld, build_model, build_tokenizer
+from trl_statelens.teachers import CrossTokenizerTeacher, InProcessTeacher
+from trl_statelens.teachers.alignment import TeacherSignal, chunk_totals, spread_over_chunks
+
+
+def opd_config(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=24,
+        learning_rate=1e-3,
+        temperature=1.0,
+    )
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def other_teacher_path(tmp_path_factory):
+    """A `test`-size model with a second lab tokenizer: other merges (700 tokens) and digit runs kept whole."""
+    tokenizer = build_tokenizer(LabWorld(seed=0), vocab_size=700, num_documents=500, individual_digits=False)
+    path = tmp_path_factory.mktemp("other_teacher")
+    build_model("test", tokenizer, seed=3).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_chunk_helpers_sum_and_spread_within_chunks():
+    signal = torch.tensor([[0, 2, 2, 1, 0, 2, 1]])
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]])
+    assert chunk_totals(values, signal).tolist() == [[1.0, 0.0, 0.0, 9.0, 5.0, 0.0, 13.0]]
+    assert spread_over_chunks(torch.tensor([[1.0, 0.0, 0.0, 9.0, 5.0, 0.0, 13.0]]), signal).tolist() == [
+        [1.0, 9.0, 9.0, 9.0, 5.0, 13.0, 13.0]
+    ]
+    exact = torch.zeros_like(signal)
+    assert torch.equal(chunk_totals(values, exact), values) and torch.equal(spread_over_chunks(values, exact), values)
+
+
+def _trained_parameters(trainer):
+    trainer.train()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_same_tokenizer_through_the_cross_tokenizer_path_trains_as_the_direct_path(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset
+):
+    """One step with the teacher as an `InProcessTeacher` and one with the same model and tokenizer behind
+    `CrossTokenizerTeacher` (prompts re-rendered from the rows, completions spelled out and tokenized again): the
+    same rollouts, the same loss and the same parameters after the step, to float precision."""
+    runs = {}
+    for kind in ("direct", "cross"):
+        trainer = OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(math_teacher_path),
+            args=opd_config(tmp_path / kind),
+            train_dataset=math_dataset,
+        )
+        assert type(trainer.teacher) is InProcessTeacher
+        if kind == "cross":
+            teacher_tokenizer = AutoTokenizer.from_pretrained(math_teacher_path)
+            trainer.teacher = CrossTokenizerTeacher(trainer, trainer.teacher.model, teacher_tokenizer)
+        runs[kind] = (_trained_parameters(trainer), trainer.state.log_history[0])
+    (direct, direct_log), (cross, cross_log) = runs["direct"], runs["cross"]
+    assert cross_log["alignment/exact"] == 1.0 and "alignment/exact" not in direct_log
+    assert cross_log["loss"] == pytest.approx(direct_log["loss"], abs=1e-6)
+    assert cross_log["teacher_kl/sampled"] == pytest.approx(direct_log["teacher_kl/sampled"], abs=1e-6)
+    before = {n: p for n, p in AutoModelForCausalLM.from_pretrained(math_trained_path).named_parameters()}
+    assert any(not torch.equal(direct[n], before[n]) for n in direct)  # the step moved the student
+    for name in direct:
+        torch.testing.assert_close(cross[name], direct[name], rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
+    tmp_path, math_trained_path, other_teacher_path, math_dataset, tokenizer
+):
+    """The teacher path names a tokenizer of other merges: the trainer builds a `CrossTokenizerTeacher`. On real
+    rollouts, each row's carried log-probs sum to the teacher's log-prob of its own tokenization of the completion
+    text, the student's single digits against the teacher's whole numbers are chunks, and a step trains."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(other_teacher_path),
+        args=opd_config(tmp_path, max_steps=2),
+        train_dataset=math_dataset,
+    )
+    teacher = trainer.teacher
+    assert isinstance(teacher, CrossTokenizerTeacher) and trainer.probe_teacher_model is None
+    rows = [math_dataset[i] for i in range(4)]
+    completions = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
+    completions[0] = completions[0] + [tokenizer.eos_token_id]
+    student_prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    prompts = teacher.prompts(student_prompts, rows)
+    teacher_tokenizer = teacher.tokenizer
+    assert prompts[0] == teacher_tokenizer(rows[0]["prompt"])["input_ids"] != student_prompts[0]
+    scores = [row.scores.result()[row.index] for row in teacher.score(prompts, completions)]
+    own = [row.logps for row in teacher._score_rows(prompts, [teacher.respell(c) for c in completions])]
+    for completion, carried, teacher_logps in zip(completions, scores, own):
+        assert carried.logps.shape == carried.signal.shape == (len(completion),)
+        torch.testing.assert_close(carried.logps.sum(), teacher_logps.float().sum(), rtol=1e-5, atol=1e-4)
+        assert (carried.logps[carried.signal == TeacherSignal.CHUNK_INSIDE] == 0).all()
+        digit_runs = [
+            i for i, t in enumerate(completion[:-1]) if tokenizer.decode([t]).isdigit()
+            and tokenizer.decode([completion[i + 1]]).isdigit()
+        ]  # fmt: skip
+        assert digit_runs and all(carried.signal[i] == TeacherSignal.CHUNK_INSIDE for i in digit_runs)
+    assert teacher.respell(completions[0])[-1] == teacher_tokenizer.eos_token_id  # by role
+    trainer.train()
+    exact = [e["alignment/exact"] for e in trainer.state.log_history if "alignment/exact" in e]
+    assert len(exact) == 2 and all(0.0 < share < 1.0 for share in exact)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"signal": "divergence"}, "not yet carried across tokenizers"),
+        ({"signal": "continuation"}, "not yet carried across tokenizers"),
+        ({"state_source_mix": {"learner": 0.5, "teacher": 0.5}}, "teacher-written states"),
+    ],
+)
+def test_what_a_teacher_of_another_tokenizer_cannot_do_yet_is_refused(
+    tmp_path, student_path, other_teacher_path, math_dataset, kwargs, message
+):
+    with pytest.raises(ValueError, match=message):
+        OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=str(other_teacher_path),
+            args=opd_config(tmp_path, **kwargs),
+            train_dataset=math_dataset,
+        )

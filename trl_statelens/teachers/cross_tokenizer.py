@@ -1,0 +1,152 @@
+"""A teacher of another tokenizer in the training processes: [`CrossTokenizerTeacher`] (issue 45).
+
+The teacher reads each row as text in its own tokens: the prompt rendered by its own chat template (a plain-text
+prompt tokenized as it is), the student's completion spelled out in bytes and tokenized again, its special tokens
+(end of turn, end of text) carried over by role. Its log-probs come back on the student's tokens through
+[`alignment.student_token_teacher_logprobs`]: exact where a student token starts and ends on teacher boundaries, and
+for a chunk (the smallest run of student tokens that does) the teacher's log-prob of the whole run on the run's last
+token, with `RowScores.signal` saying which. The `reverse_kl` loss (`opd/loss.py`) compares the student's log-prob of
+each chunk with the teacher's and gives every token of the chunk the chunk's advantage.
+
+Only `reverse_kl` for now: `continuation` (the teacher's text tokenized for the student) and `divergence` (the
+teacher's distribution carried by [`alignment.map_next_token_distribution`]) are refused, as are teacher-written
+states, several teachers and a served teacher of another tokenizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .alignment import align_token_ids, student_token_teacher_logprobs
+from .base import RowScores, answered, batch_rows
+from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
+from .in_process import InProcessTeacher, prepare_teacher_model
+from .vocabulary import read_tokenizer, token_id_mismatch
+
+
+def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
+    """The in-process teacher for `model` (loaded from `path`, if any): a [`CrossTokenizerTeacher`] when the tokenizer
+    saved at `path` maps tokens to ids otherwise than the student's, else an [`InProcessTeacher`]."""
+    teacher_tokenizer = read_tokenizer(path)
+    if teacher_tokenizer is None or token_id_mismatch(trainer._tokenizer, teacher_tokenizer, path) is None:
+        return InProcessTeacher.prepared(trainer, model, path)
+    return CrossTokenizerTeacher.prepared(trainer, model, teacher_tokenizer)
+
+
+class CrossTokenizerTeacher(InProcessTeacher):
+    """An in-process teacher whose tokenizer differs from the student's (see the module docstring).
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] it serves.
+        model: the teacher, prepared as an [`InProcessTeacher`]'s is (without the same-vocabulary check).
+        tokenizer: the teacher's tokenizer (a fast one that spells every text in bytes: byte-level BPE, or
+            SentencePiece with byte fallback).
+    """
+
+    reads_student_ids = False
+
+    def __init__(self, trainer, model, tokenizer):
+        super().__init__(trainer, model)
+        self.tokenizer = tokenizer
+        self.student_vocab = byte_vocabulary(trainer._tokenizer, "the student's")
+        self.teacher_vocab = byte_vocabulary(tokenizer)
+        self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
+        self.pad_id = next(
+            i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
+        )  # rows are padded with the teacher's own ids
+        # One teacher token per byte, for bytes that are no whole UTF-8 text (a completion cut inside a character)
+        self.byte_ids = {}
+        for token_id, spelled in enumerate(self.teacher_vocab.token_bytes):
+            if spelled is not None and len(spelled) == 1:
+                if spelled not in self.byte_ids or token_id in self.teacher_vocab.byte_fallback_ids:
+                    self.byte_ids[spelled] = token_id
+
+    @classmethod
+    def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
+        """Checked before any model work: the signal and settings this teacher supports, both tokenizers' bytes, and
+        that the student's end-of-sequence tokens have counterparts by role."""
+        args, name = trainer.args, getattr(tokenizer, "name_or_path", "the teacher's")
+        if args.signal != "reverse_kl":
+            raise ValueError(
+                f"the teacher's tokenizer ({name}) differs from the student's, and signal={args.signal!r} is not yet "
+                "carried across tokenizers: use signal='reverse_kl' (the teacher's log-prob of each student token, "
+                "exact where the tokenizations allow; docs/cross-tokenizer.md), or a teacher of the student's tokenizer"
+            )
+        if args.state_source_mix.get("teacher", 0.0) or args.state_source_mix.get("mixed", 0.0):
+            raise ValueError(
+                f"the teacher's tokenizer ({name}) differs from the student's: teacher-written states (state_source_mix "
+                f"{args.state_source_mix}) would need its text tokenized for the student, which is not yet done; use "
+                "learner states only"
+            )
+        teacher = cls(trainer, prepare_teacher_model(trainer, model, same_vocabulary=False), tokenizer)
+        for token_id in trainer.eos_token_ids:
+            if token_id not in teacher.specials:
+                raise ValueError(unmapped_special_message(teacher.student_vocab, teacher.teacher_vocab, token_id))
+        return teacher
+
+    def prompts(self, student_prompts, rows):
+        """Each row's prompt in the teacher's tokens: a conversation through the teacher's chat template (with the
+        generation prompt), a plain-text prompt tokenized as the teacher's tokenizer tokenizes text."""
+        prompts = []
+        for row in rows:
+            prompt = row["prompt"]
+            if isinstance(prompt, list):
+                if not self.tokenizer.chat_template:
+                    raise ValueError(
+                        f"the teacher's tokenizer ({self.tokenizer.name_or_path}) has no chat template, so it cannot "
+                        "read a conversational prompt in its own layout: give it one (`tokenizer.chat_template = ...`, "
+                        "saved with the teacher) or train on plain-text prompts"
+                    )
+                prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                prompts.append(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            else:
+                prompts.append(self.tokenizer(prompt)["input_ids"])
+        return prompts
+
+    def respell(self, student_ids: list[int]) -> list[int]:
+        """The student's tokens as the teacher's: each run of text tokenized by the teacher, each special token by
+        its counterpart of the same role, bytes that are no whole UTF-8 text as the teacher's one-byte tokens."""
+        out, text = [], b""
+        for token_id in student_ids:
+            spelled = self.student_vocab.token_bytes[token_id]
+            if spelled is not None:
+                text += spelled
+                continue
+            out += self._tokenize_bytes(text)
+            text = b""
+            if token_id not in self.specials:
+                raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
+            out.append(self.specials[token_id])
+        return out + self._tokenize_bytes(text)
+
+    def _tokenize_bytes(self, data: bytes) -> list[int]:
+        ids = []
+        while data:
+            try:
+                text, data = data.decode("utf-8"), b""
+            except UnicodeDecodeError as error:
+                text = data[: error.start].decode("utf-8")
+                bad, data = data[error.start : error.end], data[error.end :]
+                ids += self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+                ids += [self.byte_ids[bytes([b])] for b in bad]
+                continue
+            ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    @torch.no_grad()
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        """The teacher's log-probs of its own spelling of each completion after its own prompt (`prompts` are the
+        teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`."""
+        teacher_completions = [self.respell([int(t) for t in c]) for c in completions]
+        scores = self._score_rows(prompts, teacher_completions)
+        carried = []
+        for student_ids, teacher_ids, row in zip(completions, teacher_completions, scores):
+            alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+            values, signal = student_token_teacher_logprobs(alignment, row.logps.float().cpu())
+            carried.append(RowScores(values, signal=signal))
+        return batch_rows(answered(carried), len(carried))
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        if prompts:  # refused in `prepared`; an empty call is every rank's collective turn
+            raise RuntimeError("a teacher of another tokenizer does not write states (see CrossTokenizerTeacher)")
+        return []
