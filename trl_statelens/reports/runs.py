@@ -39,7 +39,7 @@ from ..evaluation import (
 from ..lens.callback import StateLoggingCallback, check_no_ledger
 from ..lens.compute import ComputeCounter, cache_counts, ledger_totals, teacher_generation, tokens_seen
 from ..provenance import PROVENANCE_FILE, provenance
-from ..real_models import SMOLLM2, build_smollm2
+from ..real_models import GEMMA3, SMOLLM2, build_gemma3, build_smollm2
 from ..teachers import without_zero3_init
 
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
@@ -164,7 +164,8 @@ class RecipeArguments:
 
 def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
     """`"lab"` (or nothing) is the lab base model and `"lab-teacher"` the lab math teacher, built on first use;
-    `"smollm2-135m"` the real SmolLM2-135M-Instruct, converted on first use (`trl_statelens.real_models`); anything
+    `"smollm2-135m"` the real SmolLM2-135M-Instruct and `"gemma3-270m"` Gemma 3 270M, converted on first use
+    (`trl_statelens.real_models`); anything
     else is a local path (which must exist) or a hub id, loaded with `from_pretrained`."""
     from ..lab import build_lab, build_teacher
 
@@ -175,6 +176,8 @@ def resolve_model(name_or_path: str | None, lab_seed: int = 0) -> str:
         return str(build_teacher(seed=lab_seed))
     if name_or_path == SMOLLM2:
         return str(build_smollm2())
+    if name_or_path == GEMMA3:
+        return str(build_gemma3())
     if Path(name_or_path).expanduser().exists():
         return name_or_path
     # A hub id is `name` or `owner/name` (dots allowed: "Qwen/Qwen3-0.6B-Base"); anything else is meant as a path.
