@@ -2,15 +2,23 @@
 through the cross-tokenizer path trains exactly as the direct path does; another lab tokenizer's teacher gives the
 student's tokens its own log-probs of the same text, chunk by chunk."""
 
+import json
+
 import pytest
 import torch
 from cpu_settings import CPU
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.lab import LabWorld, build_model, build_tokenizer
+from trl_statelens.reports.states_data import sequence_entry
 from trl_statelens.teachers import CrossTokenizerTeacher, InProcessTeacher
-from trl_statelens.teachers.alignment import TeacherSignal, chunk_totals, spread_over_chunks
+from trl_statelens.teachers.alignment import (
+    TeacherSignal,
+    chunk_totals,
+    shared_out_over_chunks,
+    spread_over_chunks,
+)
 
 
 def opd_config(tmp_path, **kwargs):
@@ -45,6 +53,11 @@ def test_chunk_helpers_sum_and_spread_within_chunks():
     ]
     exact = torch.zeros_like(signal)
     assert torch.equal(chunk_totals(values, exact), values) and torch.equal(spread_over_chunks(values, exact), values)
+    # the records' per-token values: the chunk [2, 3, 4] (teacher -12 on its last token) shares -12 - (2 + 3 + 4) = -21
+    teacher = torch.tensor([[-1.0, 0.0, 0.0, -12.0, -5.0, 0.0, -2.0]])
+    shared = shared_out_over_chunks(teacher, values, signal)
+    torch.testing.assert_close(shared, torch.tensor([[-1.0, -5.0, -4.0, -3.0, -5.0, -1.5, -0.5]]))
+    assert torch.equal(shared_out_over_chunks(values, values + 1, exact), values)
 
 
 def _trained_parameters(trainer):
@@ -92,6 +105,7 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         teacher_model=str(other_teacher_path),
         args=opd_config(tmp_path, max_steps=2),
         train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
     )
     teacher = trainer.teacher
     assert isinstance(teacher, CrossTokenizerTeacher) and trainer.probe_teacher_model is None
@@ -119,6 +133,18 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     assert len(exact) == 2 and all(0.0 < share < 1.0 for share in exact)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert all(torch.isfinite(torch.tensor(losses)))
+    # The ledger: per supervised token, whether the teacher's value is exact; a chunk's shared-out values sum to the
+    # teacher's; the states page marks the tokens that are not exact
+    samples = [json.loads(line) for line in (tmp_path / "statelens" / "states.jsonl").read_text().splitlines()]
+    flags = [flag for sample in samples for flag in sample["teacher_exact"]]
+    assert len(flags) == sum(len(sample["logp"]) for sample in samples) and 0 < flags.count(False) < len(flags)
+    runs = 0
+    for sample in samples:  # inside a run of digits the student's single digits are chunks against whole numbers
+        tokens, marked = sample["tokens"], sequence_entry(sample, 0)["ne"] or []
+        digit_runs = [i for i in range(len(tokens) - 1) if tokens[i].isdigit() and tokens[i + 1].isdigit()]
+        assert set(digit_runs) <= set(marked)
+        runs += len(digit_runs)
+    assert runs > 0
 
 
 @pytest.mark.parametrize(

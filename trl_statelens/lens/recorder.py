@@ -45,6 +45,7 @@ class _MicroBatchStates:
         None  # (B,) each row's teacher prompt, when it differs from the student's
     )
     selection: torch.Tensor | None = None  # (B,) each row's state-selection code, with state selection
+    teacher_exact: torch.Tensor | None = None  # (B, L) a teacher of another tokenizer: whose log-prob is exact
 
 
 class StateRecorderMixin:
@@ -110,6 +111,7 @@ class StateRecorderMixin:
         teachers: list[str] | None = None,
         teacher_prompts: list[list[int]] | None = None,
         selection: torch.Tensor | None = None,
+        teacher_exact: torch.Tensor | None = None,
     ) -> None:
         """Record the supervised states of one micro-batch.
 
@@ -137,6 +139,9 @@ class StateRecorderMixin:
             teacher_prompts (`list[list[int]]` of length `B`, *optional*): the token ids of the prompt each row's
                 teacher read, when it is not the student's (a self teacher's privileged prompt), written to the ledger
                 with its length over the student's prompt.
+            teacher_exact (`torch.Tensor` of shape `(B, L)`, *optional*): from a teacher of another tokenizer, whether
+                each token's teacher log-prob is exact (else it is its chunk's, shared out: `teachers/alignment.py`);
+                the ledger's sampled sequences list it per supervised token.
             selection (`torch.Tensor` of shape `(B,)`, *optional*): each row's state-selection code
                 (`selection.SCORED`, `SKIPPED`, `RECHECKED`); a skipped row's tokens are passed in `supervised_mask`
                 to be recorded, and are left out of the supervised-token metrics.
@@ -228,6 +233,7 @@ class StateRecorderMixin:
                 teachers=teachers,
                 teacher_prompts=teacher_prompts,
                 selection=None if selection is None else selection.detach(),
+                teacher_exact=None if teacher_exact is None else teacher_exact.detach().bool(),
             )
         )
         self._state_sequences_in_step += num_sequences
@@ -331,6 +337,15 @@ class StateRecorderMixin:
                     "entropy": records.entropy[tokens].tolist(),
                     "teacher_logp": None if torch.isnan(teacher).all() else teacher.tolist(),
                     "weight": records.weight[tokens].tolist(),
+                    **(
+                        {}
+                        if part.teacher_exact is None
+                        else {
+                            "teacher_exact": part.teacher_exact[row, first : last + 1][
+                                part.supervised_mask[row, first : last + 1]
+                            ].tolist()
+                        }
+                    ),
                     **self._sample_ending(completion_ids),
                 }
             )

@@ -23,7 +23,7 @@ from ..heads import (
 from ..lens.endings import answer_end_position
 from ..lens.records import SKIPPED
 from ..teachers import resolve_rows, resolved_signal
-from ..teachers.alignment import TeacherSignal, chunk_totals, spread_over_chunks
+from ..teachers.alignment import TeacherSignal, chunk_totals, shared_out_over_chunks, spread_over_chunks
 from .rollouts import LEARNER
 from .selection import divergence_on_scored_rows
 
@@ -189,10 +189,8 @@ class LossMixin:
             self._advantages_after_answer += after_answer_advantages(
                 self._tokenizer, completion_ids, scored & loss_mask.bool(), ends, compared_logps, teacher_logps
             )
-        if (
-            signal is not None
-        ):  # the chunk's log-prob is on its last token; the others have no teacher value of their own
-            teacher_logps = teacher_logps.masked_fill(signal == TeacherSignal.CHUNK_INSIDE, float("nan"))
+        if signal is not None:  # the records keep per-token values: each chunk's log-ratio shared out over its tokens
+            teacher_logps = shared_out_over_chunks(teacher_logps, logps.detach(), signal)
         if self.model.training:
             align = lambda x: F.pad(x, (prompt_ids.size(1), 0))  # noqa: E731 (completion -> full sequence)
             recorded = loss_mask.bool()
@@ -217,6 +215,7 @@ class LossMixin:
                 teachers=inputs["teacher"] if self.teacher.names else None,
                 teacher_prompts=inputs["teacher_prompt_ids"] if self.teacher.reads_own_prompts else None,
                 selection=selection,
+                teacher_exact=None if signal is None else align((signal == TeacherSignal.EXACT).float()),
             )
         return loss
 

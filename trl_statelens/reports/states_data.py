@@ -91,6 +91,8 @@ def sequence_entry(line: dict, run_index: int) -> dict | None:
         "lp": rounded(logp_array),
         "en": rounded(entropy_array, 2),
         "tl": rounded(teacher),
+        # a teacher of another tokenizer: the supervised tokens whose teacher log-prob is a chunk's share, not exact
+        "ne": [i for i, exact in enumerate(line.get("teacher_exact") or []) if not exact] or None,
         "w": rounded(weight[:1], 3)[0] if len(set(weight)) == 1 else rounded(weight),
         "gap": float(np.nanmean(gap)) if np.isfinite(gap).any() else None,
         "kl": teacher_kl,

@@ -220,10 +220,11 @@ function renderSequence(seq, index) {
   const body = document.createElement("div");
   body.className = "text completion";
   const parts = [];
+  const chunked = new Set(seq.ne || []);  // a teacher of another tokenizer: tokens whose teacher value is not exact
   for (let i = 0; i < seq.lp.length; i++) {
-    const style = `background:${tokenColor(seq, i)}`;
-    parts.push(seq.t ? `<span class="tok" data-i="${i}" style="${style}">${escapeHtml(showToken(seq.t[i]))}</span>`
-      : `<span class="tok cell" data-i="${i}" style="${style}"></span>`);
+    const style = `background:${tokenColor(seq, i)}`, kind = chunked.has(i) ? "tok chunked" : "tok";
+    parts.push(seq.t ? `<span class="${kind}" data-i="${i}" style="${style}">${escapeHtml(showToken(seq.t[i]))}</span>`
+      : `<span class="${kind} cell" data-i="${i}" style="${style}"></span>`);
   }
   body.innerHTML = parts.join("");
   if (!seq.t) {  // an older ledger without per-token text: the text, then one cell per supervised token
@@ -304,7 +305,8 @@ function setupTooltip() {
     const rows = [["prefix length", prefixOf(seq, i)], ["learner log p", fmt(logpOf(seq, i))],
       ["teacher log p", fmt(teacherOf(seq, i))], ["gap log p_S - log p_T", fmt(gapOf(seq, i))],
       ["learner entropy", fmt(entropyOf(seq, i), 2)], ["weight", fmt(weightOf(seq, i))],
-      ["source", SOURCES[seq.src]], ...(seq.te === null ? [] : [["teacher", escapeHtml(seq.te)]])];
+      ["source", SOURCES[seq.src]], ...(seq.te === null ? [] : [["teacher", escapeHtml(seq.te)]]),
+      ...(seq.ne && seq.ne.includes(i) ? [["teacher value", "its chunk's, shared out (another tokenizer)"]] : [])];
     const text = seq.t ? `<code>${escapeHtml(JSON.stringify(seq.t[i]))}</code>` : `token ${i}`;
     tip.innerHTML = text + "<table>" + rows.map(([k, v]) => `<tr><td>${k}</td><td>${v}</td></tr>`).join("") + "</table>";
     tip.hidden = false;

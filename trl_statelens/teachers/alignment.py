@@ -323,3 +323,14 @@ def spread_over_chunks(values: torch.Tensor, signal: torch.Tensor) -> torch.Tens
     index = chunk_index(signal)
     at_ends = values.masked_fill(signal == TeacherSignal.CHUNK_INSIDE, 0.0)
     return torch.zeros_like(values).scatter_add(-1, index, at_ends).gather(-1, index)
+
+
+def shared_out_over_chunks(teacher_logps: torch.Tensor, student_logps: torch.Tensor, signal: torch.Tensor):
+    """Per-token teacher log-probs `(B, T)` for the records from chunk values (`teacher_logps` as
+    [`student_token_teacher_logprobs`] lays them out): each token of a chunk gets its own student log-prob plus an
+    equal share of the chunk's log-ratio, so that over a chunk they sum to the teacher's log-prob of it (and the
+    per-token reverse KL to the chunk's). The teacher's values where every token is `EXACT`."""
+    index = chunk_index(signal)
+    sizes = torch.zeros_like(student_logps).scatter_add(-1, index, torch.ones_like(student_logps)).gather(-1, index)
+    gaps = teacher_logps - chunk_totals(student_logps, signal)
+    return student_logps + spread_over_chunks(gaps, signal) / sizes
