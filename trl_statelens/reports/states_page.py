@@ -119,7 +119,7 @@ label { margin-right: .6em; white-space: nowrap; }
 .tok { padding: 1px 0; border-right: 1px solid #fff; cursor: default; }
 .tok.cell { display: inline-block; width: .7em; height: 1em; vertical-align: middle; margin-right: 1px; }
 .tok:hover { outline: 2px solid #000; }
-.tok.chunked { text-decoration: underline dotted #b07aa1; text-decoration-thickness: 2px; }
+.tok.chunked { box-shadow: inset 0 -3px 0 #222; }  /* teacher value shared out over a chunk */
 #tooltip { position: fixed; background: #fff; border: 1px solid #888; padding: .3em .5em; font-size: .8em;
   pointer-events: none; box-shadow: 2px 2px 6px rgba(0,0,0,.2); z-index: 10; max-width: 320px; }
 #tooltip table td { padding: 0 .4em; } #tooltip code { background: #f3f3f3; }
