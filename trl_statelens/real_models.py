@@ -78,26 +78,35 @@ def smollm2_gguf() -> Path:
 def build_smollm2(force: bool = False, log=_say) -> Path:
     """Convert SmolLM2-135M-Instruct from the package's GGUF to ``real_home()/smollm2-135m`` once; return the folder.
 
-    Takes about a minute on 2 CPU cores. The folder is written under a temporary name and renamed when complete,
-    so an interrupted conversion never leaves a half-written model behind.
+    Takes about a minute on 2 CPU cores ([`convert_gguf`]).
     """
     out = real_home() / SMOLLM2
     if (out / "config.json").exists() and not force:
         return out
-    gguf = smollm2_gguf()
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    return convert_gguf(smollm2_gguf(), SMOLLM2, out, log=log)
+
+
+def convert_gguf(gguf: Path, name: str, out: Path, chat_template: str | None = None, log=_say) -> Path:
+    """The model in `gguf` de-quantised to float32 and saved with its tokenizer (given `chat_template`, if any) as a
+    ``from_pretrained`` folder `out`, named `name`. transformers refuses to ``save_pretrained`` a model loaded from a
+    GGUF file, so the same architecture is built again from its config without the ``quantization_config`` and given
+    the same state dict. The folder is written under a temporary name and renamed when complete, so an interrupted
+    conversion never leaves a half-written model behind."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    log(f"converting {SMOLLM2} once from {gguf.name} (de-quantised to float32) to {out}")
-    steps = tqdm(total=4, desc=f"converting {SMOLLM2}", unit="stage")
+    log(f"converting {name} once from {gguf.name} (de-quantised to float32) to {out}")
+    steps = tqdm(total=4, desc=f"converting {name}", unit="stage")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     steps.update()
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     steps.update()
     config = quantized.config
     del config.quantization_config  # what makes save_pretrained refuse the model
-    config._name_or_path = SMOLLM2
-    model = LlamaForCausalLM(config)
+    config._name_or_path = name
+    model = type(quantized)(config)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
     steps.update()
@@ -109,7 +118,7 @@ def build_smollm2(force: bool = False, log=_say) -> Path:
     steps.close()
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
-    log(f"{SMOLLM2}: {model.num_parameters() / 1e6:.1f}M parameters, saved in {time.perf_counter() - started:.0f} s")
+    log(f"{name}: {model.num_parameters() / 1e6:.1f}M parameters, saved in {time.perf_counter() - started:.0f} s")
     return out
 
 
@@ -133,30 +142,9 @@ def gemma3_gguf() -> Path:
 
 def build_gemma3(force: bool = False, log=_say) -> Path:
     """Convert Gemma 3 270M from its GGUF to ``real_home()/gemma3-270m`` once (about 2 minutes on 2 CPU cores, most
-    of it the tokenizer's conversion); return the folder. As [`build_smollm2`], written under a temporary name. The
-    tokenizer gets Gemma's chat layout (`GEMMA3_CHAT_TEMPLATE`), which the GGUF does not ship."""
+    of it the tokenizer's conversion; [`convert_gguf`]); return the folder. The tokenizer gets Gemma's chat layout
+    (`GEMMA3_CHAT_TEMPLATE`), which the GGUF does not ship."""
     out = real_home() / GEMMA3
     if (out / "config.json").exists() and not force:
         return out
-    gguf = gemma3_gguf()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    started = time.perf_counter()
-    log(f"converting {GEMMA3} once from {gguf.name} (de-quantised to float32) to {out}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-    config = quantized.config
-    del config.quantization_config  # what makes save_pretrained refuse the model
-    config._name_or_path = GEMMA3
-    model = type(quantized)(config)
-    model.load_state_dict(quantized.state_dict())
-    model.generation_config = quantized.generation_config
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    log(f"{GEMMA3}: {model.num_parameters() / 1e6:.1f}M parameters, saved in {time.perf_counter() - started:.0f} s")
-    return out
+    return convert_gguf(gemma3_gguf(), GEMMA3, out, chat_template=GEMMA3_CHAT_TEMPLATE, log=log)
