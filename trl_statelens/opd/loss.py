@@ -141,6 +141,7 @@ class LossMixin:
                 normalizer,
             )
             weights = 1.0
+            compared_logps = logps.detach()  # what the teacher's log-probs are compared with (one token each here)
         else:
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model,
@@ -175,8 +176,6 @@ class LossMixin:
 
         if self.teacher_cache is not None and self.model.training:  # the staleness of the batch trained on
             self.teacher_cache.observe(inputs, logps)
-        if self.args.signal == "divergence":
-            compared_logps = logps.detach()
         scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
         self._log_teacher_metrics(
             compared_logps, teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]
