@@ -267,6 +267,39 @@ def test_grpo_reward_metrics_are_logged_only_with_reward_functions(tmp_path, stu
             assert len(groups.read_text().splitlines()) == 2 * 8 // 2  # 2 steps of 8 rollouts, 2 a prompt
 
 
+# ----- the teacher-free control ----------------------------------------------------------------------------------
+def test_constant_advantage_trains_the_same_whatever_the_teacher(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset
+):
+    """With `constant_advantage` the teacher only scores for the lens: two teachers that disagree give the same
+    parameters after two steps, every supervised token carries the constant, and the teacher's KL is still logged.
+    Without it the two teachers train the student apart."""
+
+    def trained(name, teacher, **kwargs):
+        trainer = OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(teacher),
+            args=opd_config(tmp_path / name, max_steps=2, logging_steps=1, temperature=1.0, **kwargs),
+            train_dataset=math_dataset,
+        )
+        trainer.train()
+        return trainer, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+    control, control_params = trained("control", math_teacher_path, constant_advantage=-0.5)
+    _, self_params = trained("self", math_trained_path, constant_advantage=-0.5)
+    _, teacher_params = trained("teacher", math_teacher_path)
+    _, equal_params = trained("equal", math_trained_path)
+    assert torch.equal(control_params, self_params)
+    assert not torch.allclose(teacher_params, equal_params)
+    assert log_history(control, "statelens/weight/mean") == [pytest.approx(-0.5)] * 2
+    assert all(kl > 0.01 for kl in log_history(control, "teacher_kl/sampled"))  # the lens still sees the teacher
+
+
+def test_constant_advantage_needs_reverse_kl(tmp_path):
+    with pytest.raises(ValueError, match="constant_advantage=-0.5 with signal='divergence'"):
+        opd_config(tmp_path, signal="divergence", constant_advantage=-0.5)
+
+
 # ----- state sources ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_state_source_mix_is_honoured_per_sample_and_recorded(tmp_path, student_path, math_trained_path, math_dataset):

@@ -99,6 +99,11 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             Weight of GRPO's group-normalised reward advantage (from `reward_funcs`) added to the `reverse_kl`
             advantage. `0` ignores rewards (they are still computed and logged when reward functions are given).
             Only `signal="reverse_kl"` has an advantage to add it to: other signals refuse a non-zero weight.
+        constant_advantage (`float`, *optional*):
+            A teacher-free control for `signal="reverse_kl"`: every supervised token of the student's rollouts gets
+            this advantage instead of the teacher's (negative: each sampled token pushed down, the control of "Does
+            OPD Really Distill?", arXiv 2608.31046). The teacher still scores the rollouts, so the lens shows how far
+            the student moves toward it without its signal. `None` (default) trains on the teacher's advantage.
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
@@ -281,6 +286,10 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     )
     reference_column: str = field(default="completion", metadata={"help": "Reference answers for `dataset`."})
     reward_weight: float = field(default=0.0, metadata={"help": "Weight of the reward advantage."})
+    constant_advantage: float | None = field(
+        default=None,
+        metadata={"help": "reverse_kl only: this advantage on every supervised token instead of the teacher's."},
+    )
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
     )

@@ -86,6 +86,12 @@ class ConfigChecks:
                 "and the one trained on it, which on-policy distillation's losses do not have (see signal). Leave "
                 "them at GRPO's defaults"
             )
+        if self.constant_advantage is not None and self.signal != "reverse_kl":
+            raise ValueError(
+                f"constant_advantage={self.constant_advantage} with signal={self.signal!r}: the constant replaces the "
+                "reverse_kl advantage; continuation and divergence have no sampled-token advantage to replace. Use "
+                "signal='reverse_kl' or leave constant_advantage unset"
+            )
         if self.reward_weight != 0.0 and self.signal != "reverse_kl":
             raise ValueError(
                 f"reward_weight={self.reward_weight} with signal={self.signal!r}: the reward advantage is added to the "

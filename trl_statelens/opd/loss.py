@@ -159,7 +159,10 @@ class LossMixin:
                 compared_logps = chunk_totals(compared_logps, signal)
                 self._log_alignment(signal, loss_mask)
             if self.args.signal == "reverse_kl":
-                weights = self._reverse_kl_advantages(compared_logps, teacher_logps, loss_mask, signal)
+                if self.args.constant_advantage is None:
+                    weights = self._reverse_kl_advantages(compared_logps, teacher_logps, loss_mask, signal)
+                else:  # the teacher-free control: the teacher scored the rollouts for the lens only
+                    weights = torch.full_like(logps, self.args.constant_advantage) * loss_mask
                 if self.args.reward_weight:
                     weights = weights + self.args.reward_weight * inputs["advantages"][:, None] * loss_mask
                 per_token_loss = -weights * logps * loss_mask
