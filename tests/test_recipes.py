@@ -12,6 +12,7 @@ from launching import free_port, launch
 from trl import DistillationConfig, GRPOConfig, ModelConfig, SFTConfig, TrlParser
 
 from trl_statelens import OnPolicyDistillConfig
+from trl_statelens.evaluation import item_scores
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.reports.runs import RecipeArguments, print_summary, target_change
 
@@ -111,6 +112,10 @@ def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student
             assert (entry[f"eval/gsm8k/{metric}"] * 4).is_integer()  # 4 items (--target_eval_limit)
         # the scores' own entry: the step's training metrics stay in the trainer's entry
         assert {key for key in entry if not key.startswith("eval/")} <= {"step", "epoch"}
+        # each evaluation's items beside it, scoring what was logged (an interval over items needs them)
+        items = item_scores(out / "eval" / "steps" / f"step{entry['step']}.items.jsonl", "gsm8k", "correct_strict")
+        assert len(items) == 4 and sum(items.values()) / 4 == entry["eval/gsm8k/accuracy_strict"]
+    assert sorted(p.name for p in (out / "eval" / "steps").iterdir()) == ["step2.items.jsonl", "step4.items.jsonl"]
     trained = [entry["step"] for entry in log_history if "loss" in entry]
     assert trained == [1, 2, 3, 4, 5]
     if baseline == "statelens":
@@ -332,7 +337,11 @@ def test_recipe_under_accelerate_launch(tmp_path, student_path, teacher_path, ac
     assert {s["rank"] for s in states} == {0, 1}  # both ranks' states reached the ledger
     assert results["after"]["scores"]
     log_history = json.loads((out / "log_history.json").read_text())
-    assert [e["step"] for e in log_history if "eval/gsm8k/accuracy_strict" in e] == [1, 2]
+    scored = [e for e in log_history if "eval/gsm8k/accuracy_strict" in e]
+    assert [e["step"] for e in scored] == [1, 2]
+    for entry in scored:  # one writer: the main process's items, whole
+        items = item_scores(out / "eval" / "steps" / f"step{entry['step']}.items.jsonl", "gsm8k", "correct_strict")
+        assert len(items) == 2 and sum(items.values()) / 2 == entry["eval/gsm8k/accuracy_strict"]
 
 
 # ----- the study chain: LoRA SFT -> its adapter folder as the OPD teacher, both arms -------------------------------------

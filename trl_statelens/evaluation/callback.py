@@ -7,7 +7,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from .runner import RETENTION_TASKS, build_tasks, retention_summary, run_tasks, scalar_metrics
+from .runner import RETENTION_TASKS, build_tasks, retention_summary, run_tasks, scalar_metrics, write_items
 
 logger = logging.get_logger(__name__)
 
@@ -28,6 +28,8 @@ class RetentionEvalCallback(TrainerCallback):
         eval_steps: evaluate when ``global_step`` is a multiple of this.
         eval_on_start: also evaluate before the first step (the base for forgetting and retention).
         tokenizer: defaults to the trainer's ``processing_class``.
+        items_dir: also write each evaluation's per-item scores to ``<items_dir>/step<N>.items.jsonl`` (from the
+            main process), for intervals over items on the curve; ``None`` (default) keeps the scores only.
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class RetentionEvalCallback(TrainerCallback):
         task_kwargs: dict | None = None,
         eval_on_start: bool = True,
         prefix: str = "eval/",
+        items_dir: str | Path | None = None,
     ):
         if eval_steps < 1:
             raise ValueError(f"eval_steps must be a positive number of steps, got {eval_steps}")
@@ -59,6 +62,7 @@ class RetentionEvalCallback(TrainerCallback):
         )
         self.eval_steps, self.trainer, self.tokenizer = eval_steps, trainer, tokenizer
         self.eval_on_start, self.prefix = eval_on_start, prefix
+        self.items_dir = None if items_dir is None else Path(items_dir)
         self.base_scores: dict | None = None
         self.history: list[dict] = []
 
@@ -81,6 +85,9 @@ class RetentionEvalCallback(TrainerCallback):
                 for name, output in outputs.items()
                 for key, value in scalar_metrics(output["metrics"]).items()
             }
+            if self.items_dir is not None and state.is_world_process_zero:
+                records = {name: output["records"] for name, output in outputs.items()}
+                write_items(records, self.items_dir / f"step{state.global_step}.items.jsonl")
             if self.base_scores is None:
                 self.base_scores = scores
             elif any(t in scores for t in RETENTION_TASKS):

@@ -202,14 +202,20 @@ def write_results(results: dict, records: dict[str, list[dict]], out: str | Path
     """``out``: the results JSON (without records); ``<out stem>.items.jsonl``: one line per evaluated item."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    items_path = out.with_name(out.stem + ".items.jsonl")
+    items_path = write_items(records, out.with_name(out.stem + ".items.jsonl"))
     results["items_file"] = items_path.name
-    with items_path.open("w") as f:
+    out.write_text(json.dumps({k: v for k, v in results.items() if k != "records"}, indent=2))
+    return items_path
+
+
+def write_items(records: dict[str, list[dict]], path: Path) -> Path:
+    """One line per evaluated item: ``{"task", "index", **record}`` (what :func:`item_scores` reads)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
         for name, task_records in records.items():
             for index, record in enumerate(task_records):
                 f.write(json.dumps({"task": name, "index": index, **record}) + "\n")
-    out.write_text(json.dumps({k: v for k, v in results.items() if k != "records"}, indent=2))
-    return items_path
+    return path
 
 
 def _task_scores(results: dict) -> dict:

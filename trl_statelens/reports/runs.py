@@ -6,7 +6,8 @@ A run folder (`output_dir`) holds:
 - `results.json`: recipe, trainer, baseline, model, teacher, seed, `before` / `after` evaluations (as returned by
   :func:`~trl_statelens.evaluation.evaluate_model`), `retention` (Forgetting and Retention of `after` against
   `before`), `final_drift` (the last probe drift) and `train_seconds`;
-- `eval/before.json`, `eval/after.json` and their `.items.jsonl` per-item outputs;
+- `eval/before.json`, `eval/after.json` and their `.items.jsonl` per-item outputs; with `--target_eval_steps`,
+  `eval/steps/step<N>.items.jsonl`, the items of each evaluation during training;
 - `statelens/`: the state ledger (`steps.jsonl`, `states.jsonl`, `drift.jsonl`; see the README) and
   `provenance.json` (the code, library versions and weight hashes the run started with; also `results.json`'s
   `provenance`);
@@ -245,8 +246,11 @@ def evaluate(args: RecipeArguments, model_or_path, tokenizer, out: Path, seed: i
     return results
 
 
-def target_eval_callback(args: RecipeArguments, model_path: str, seed: int) -> RetentionEvalCallback | None:
-    """The target task scored on the training model every `target_eval_steps` steps; `None` when off.
+def target_eval_callback(
+    args: RecipeArguments, model_path: str, seed: int, out: Path | None = None
+) -> RetentionEvalCallback | None:
+    """The target task scored on the training model every `target_eval_steps` steps, each evaluation's items in
+    `<out>/eval/steps/` when `out` is given; `None` when off.
 
     No step-0 evaluation: the `before` evaluation (or the base run's, with `--eval_before false`) is that point.
     """
@@ -263,6 +267,7 @@ def target_eval_callback(args: RecipeArguments, model_path: str, seed: int) -> R
         tokenizer=AutoTokenizer.from_pretrained(model_path),
         **{**settings, "limit": limit},
         eval_on_start=False,
+        items_dir=None if out is None else out / "eval" / "steps",
     )
 
 
@@ -274,7 +279,7 @@ def run_recipe(recipe: str, trainer, args: RecipeArguments, model_path: str, tea
     if not training_args.resume_from_checkpoint:  # before evaluating: a fresh run must not overwrite another's ledger
         check_no_ledger(out)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    target_eval = target_eval_callback(args, model_path, training_args.seed)  # loads its data before any work
+    target_eval = target_eval_callback(args, model_path, training_args.seed, out)  # loads its data before any work
     if target_eval is not None:
         trainer.add_callback(target_eval)
         target_eval.trainer = trainer  # scores go through trainer.log, to log_history and every report_to backend
