@@ -183,8 +183,8 @@ def test_target_change_reads_the_chosen_per_problem_score(tmp_path, capsys):
     `#### N` line, paired by question, from the records GSM8KTask.score wrote."""
     task = GSM8KTask(source="lab", split="test")
     outputs = {
-        "before": ["It is 3.", "#### 4", "so 5", "7 then 8"],
-        "after": ["#### 3", "#### 4", "#### 6", "7 then 8"],
+        "before": ["It is 3.", "#### 4", "so 5", "7 then 8", "9"],
+        "after": ["#### 3", "#### 4", "#### 6", "7 then 8", "#### 9\n#### 9\n#### 9"],  # q4 loops on its answer
     }
     (tmp_path / "eval").mkdir()
     for when, texts in outputs.items():
@@ -192,13 +192,15 @@ def test_target_change_reads_the_chosen_per_problem_score(tmp_path, capsys):
                    for i, text in enumerate(texts)]  # fmt: skip
         (tmp_path / "eval" / f"{when}.items.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     found = target_change(tmp_path, "answer_found")
-    assert found["metric"] == "answer_found" and found["num_items"] == 4
-    assert found["change"] == pytest.approx(2 / 4)  # q0 and q2 gained a `#### N` line
-    assert found["ci95"][0] <= 0.5 <= found["ci95"][1]
+    assert found["metric"] == "answer_found" and found["num_items"] == 5
+    assert found["change"] == pytest.approx(3 / 5)  # q0, q2 and q4 gained a `#### N` line
+    assert found["ci95"][0] <= 0.6 <= found["ci95"][1]
     assert target_change(tmp_path)["change"] == 0.0  # strict accuracy: q1 right before and after, the rest wrong
+    # clean format (the demo's target since 2026-12-05): q0 and q2 end on their one answer line, q4's loop does not
+    assert target_change(tmp_path, "clean_format")["change"] == pytest.approx(2 / 5)
     print_summary({"recipe": "x", "trainer": "T", "global_steps": 1, "train_seconds": 1.0, "before": None,
                    "after": None, "target_change": found, "retention": None, "final_drift": None}, [], tmp_path)  # fmt: skip
-    assert "gsm8k answer_found change +0.500, 95% interval" in capsys.readouterr().out
+    assert "gsm8k answer_found change +0.600, 95% interval" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--target_metric must be one of"):
         RecipeArguments(target_metric="accuracy")
 

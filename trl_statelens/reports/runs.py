@@ -46,7 +46,7 @@ from ..teachers import without_zero3_init
 LAB = "lab"  # model / data / eval source meaning "the offline lab"
 LAB_TEACHER = "lab-teacher"
 TARGET_TASK = "gsm8k"  # the task the recipes train for
-TARGET_METRICS = ("correct_strict", "correct_flexible", "answer_found")  # per-problem scores of GSM8KTask.score
+TARGET_METRICS = ("correct_strict", "correct_flexible", "answer_found", "clean_format")  # GSM8KTask.score's
 
 
 @dataclass
@@ -91,8 +91,9 @@ class RecipeArguments:
         ledger_sample_rate: share of supervised sequences written with their text to the ledger.
         target_metric: the per-problem GSM8K score behind the summary's change line and `results.json`'s
             `target_change`: `"correct_strict"` (right under the strict `#### N` match: the study's accuracy),
-            `"correct_flexible"` (the last number is right) or `"answer_found"` (the answer has a `#### N` line, the
-            format the strict metric reads).
+            `"correct_flexible"` (the last number is right), `"answer_found"` (the answer has a `#### N` line, the
+            format the strict metric reads) or `"clean_format"` (exactly one such line, and the answer ends there:
+            `trl_statelens.answers.clean_format`, which a looping answer fails).
         max_flops: stop after the first step at which the run's training FLOPs (`flops_total/total`, as
             `results.json`'s `compute`) reach this: a baseline at another run's compute (`StateLoggingCallback`'s
             `max_flops`); unset for no limit. `max_steps` still applies.
