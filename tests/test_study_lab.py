@@ -39,6 +39,16 @@ def test_study_chain_runs_every_run_and_summarizes(tmp_path, student_path):
     assert vs_teacher["per_seed"] == pytest.approx([difference])
     low, high = vs_teacher["ci95"]
     assert low <= vs_teacher["mean"] <= high
+    # retention item by item: the flips add up to each run's mean change against the base
+    base = json.loads((out / "base" / "results.json").read_text())["after"]["scores"]
+    for name in ("stress_sft", "opd_from_stress_sft", "grpo"):
+        after = json.loads((out / "seed0" / name / "results.json").read_text())["after"]["scores"]
+        for task in ("truthfulqa", "mmlu"):
+            flips = summary["flips"][name][task]
+            assert flips["items"] == 3  # --smoke scores 3 items a task
+            net = (flips["gained"][0] - flips["lost"][0]) / flips["items"]
+            assert net == pytest.approx(after[task] - base[task]), (name, task, flips)
+    assert "| stress_sft | truthfulqa |" in (out / "summary.md").read_text()
 
 
 def write_items(run_dir: Path, correct: list[int]) -> None:
@@ -64,3 +74,24 @@ def test_paired_comparison_and_its_bootstrap_interval(tmp_path, monkeypatch):
     low, high = results["better"]["ci95"]
     assert 0.18 < low < 0.30 < high < 0.42 and results["better"]["real"]
     assert results["lucky"]["per_seed"] == pytest.approx([0.01, 0.01]) and not results["lucky"]["real"]
+
+
+def test_retention_flips_count_each_item_that_changed_whichever_way(tmp_path, monkeypatch):
+    """A run that loses 2 truthfulqa items the base got right and gains 2 it got wrong has a mean change of 0: the
+    flips say 2 and 2."""
+    sys.path.insert(0, str(STUDY.parent))
+    import study_lab
+
+    monkeypatch.setattr(study_lab, "RUNS", [("swaps", "sft", "sft.yaml", [])])
+
+    def write(run_dir, truthfulqa):
+        (run_dir / "eval").mkdir(parents=True)
+        lines = [{"task": "truthfulqa", "question": f"t{i}", "mc1": float(c)} for i, c in enumerate(truthfulqa)]
+        lines += [{"task": task, "question": "k", key: 1.0} for task, key in (("gsm8k", "correct_strict"), ("mmlu", "correct"))]  # fmt: skip
+        (run_dir / "eval" / "after.items.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    write(tmp_path / "base", [1, 1, 1, 0, 0, 0])
+    write(tmp_path / "seed0" / "swaps", [0, 0, 1, 1, 1, 0])
+    flips = study_lab.retention_flips(tmp_path, [0])["swaps"]
+    assert flips["truthfulqa"] == {"lost": [2], "gained": [2], "items": 6}
+    assert flips["mmlu"] == {"lost": [0], "gained": [0], "items": 1}

@@ -44,6 +44,7 @@ RUNS = [
 ]  # fmt: skip
 SCORES = ("gsm8k", "truthfulqa", "mmlu")
 ITEM_SCORE = {"gsm8k": "correct_strict", "truthfulqa": "mc1", "mmlu": "correct"}  # per item, in eval/*.items.jsonl
+RETENTION = ("truthfulqa", "mmlu")  # the retention checks, counted item by item (`retention_flips`)
 # The study's phenomena as paired comparisons (run, reference): per seed, and a bootstrap over test problems
 COMPARISONS = [
     ("1. mild SFT helps the target, forgets little", "mild_sft", "base"),
@@ -142,11 +143,21 @@ def main():
         return
     summary = summarize(out, args.seeds)
     comparisons = compare_runs(out, args.seeds)
+    flips = retention_flips(out, args.seeds)
     minutes = (time.perf_counter() - started) / 60
     (out / "summary.json").write_text(
-        json.dumps({"seeds": args.seeds, "minutes": minutes, "runs": summary, "comparisons": comparisons}, indent=2)
+        json.dumps(
+            {"seeds": args.seeds, "minutes": minutes, "runs": summary, "comparisons": comparisons, "flips": flips},
+            indent=2,
+        )
     )
-    text = summary_table(summary, args.seeds, minutes) + "\n" + comparison_table(comparisons, args.seeds)
+    text = (
+        summary_table(summary, args.seeds, minutes)
+        + "\n"
+        + comparison_table(comparisons, args.seeds)
+        + "\n"
+        + flips_table(flips, args.seeds)
+    )
     (out / "summary.md").write_text(text)
     print(text)
 
@@ -215,6 +226,34 @@ def compare_runs(out: Path, seeds: list[int], comparisons: list[tuple] | None = 
                 }
             )
     return results
+
+
+def retention_flips(out: Path, seeds: list[int]) -> dict:
+    """Per run and retention task: the items the base answers right and the run wrong (`lost`) and the reverse
+    (`gained`), per seed. A mean change hides flips that cancel: a run can lose 20 items and gain 20."""
+    base = run_item_scores(out / "base")
+    flips = {}
+    for name, *_ in RUNS:
+        flips[name] = {}
+        for task in RETENTION:
+            lost, gained = [], []
+            for seed in seeds:
+                scores = run_item_scores(out / f"seed{seed}" / name)[task]
+                lost.append(sum(1 for q, right in base[task].items() if right and not scores[q]))
+                gained.append(sum(1 for q, right in base[task].items() if not right and scores[q]))
+            flips[name][task] = {"lost": lost, "gained": gained, "items": len(base[task])}
+    return flips
+
+
+def flips_table(flips: dict, seeds: list[int]) -> str:
+    lines = [f"Retention item by item, per seed {seeds}: items the base gets right and the run wrong (lost) and the "
+             "reverse (gained); the mean change is (gained - lost) / items.", "",
+             "| run | task | lost | gained | items |", "|---|---|---|---|---|"]  # fmt: skip
+    for name, tasks in flips.items():
+        for task, f in tasks.items():
+            lost, gained = ", ".join(map(str, f["lost"])), ", ".join(map(str, f["gained"]))
+            lines.append(f"| {name} | {task} | {lost} | {gained} | {f['items']} |")
+    return "\n".join(lines) + "\n"
 
 
 def comparison_table(comparisons: list[dict], seeds: list[int]) -> str:
