@@ -3,10 +3,13 @@ through the cross-tokenizer path trains exactly as the direct path does; another
 student's tokens its own log-probs of the same text, chunk by chunk."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from cpu_settings import CPU
+from launching import free_port, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
@@ -165,3 +168,29 @@ def test_what_a_teacher_of_another_tokenizer_cannot_do_yet_is_refused(
             args=opd_config(tmp_path, **kwargs),
             train_dataset=math_dataset,
         )
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_alignment_share_is_summed_over_two_ranks(tmp_path, math_trained_path, other_teacher_path):
+    """Two DDP ranks, each with its own rows: `alignment/exact` is the exact share of both ranks' supervised tokens
+    together, as each rank counted them from its own batch."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(Path(__file__).parent / "scripts" / "opd_cross_tokenizer_two_ranks.py"), str(math_trained_path),
+        str(other_teacher_path), str(tmp_path),
+    ]  # fmt: skip
+    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=300, outputs=tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:  # what ran: two gloo processes, each with the cross-tokenizer teacher, two steps
+        assert (rank["world_size"], rank["backend"], rank["teacher"]) == (2, "gloo", "CrossTokenizerTeacher")
+        assert len(rank["counts"]) == 2
+    logged = [e["alignment/exact"] for e in ranks[0]["log_history"] if "alignment/exact" in e]
+    per_rank = [[exact / total for exact, total in rank["counts"]] for rank in ranks]
+    assert per_rank[0] != per_rank[1]  # the ranks' rows differ, so the sum over both is not either one's share
+    for step in range(2):
+        exact = sum(rank["counts"][step][0] for rank in ranks)
+        total = sum(rank["counts"][step][1] for rank in ranks)
+        assert logged[step] == pytest.approx(exact / total)

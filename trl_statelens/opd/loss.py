@@ -157,7 +157,6 @@ class LossMixin:
             compared_logps = logps.detach()
             if signal is not None:  # a teacher of another tokenizer: compared chunk by chunk (teachers/alignment.py)
                 compared_logps = chunk_totals(compared_logps, signal)
-                self._log_alignment(signal, loss_mask)
             if self.args.signal == "reverse_kl":
                 if self.args.constant_advantage is None:
                     weights = self._reverse_kl_advantages(compared_logps, teacher_logps, loss_mask, signal)
@@ -181,7 +180,7 @@ class LossMixin:
             self.teacher_cache.observe(inputs, logps)
         scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
         self._log_teacher_metrics(
-            compared_logps, teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"]
+            compared_logps, teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"], signal
         )
         if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
             # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
@@ -231,16 +230,6 @@ class LossMixin:
         advantages = -kl * mask
         return advantages if signal is None else spread_over_chunks(advantages, signal) * mask
 
-    def _log_alignment(self, signal, loss_mask):
-        """`alignment/exact`: the share of supervised tokens whose teacher log-prob is exact (the rest are in chunks:
-        `teachers/alignment.py`), over every process."""
-        supervised = loss_mask.bool()
-        sums = torch.stack([((signal == TeacherSignal.EXACT) & supervised).sum(), supervised.sum()]).float()
-        exact, total = collective.sum_over_ranks(self.accelerator, sums)
-        if total > 0:
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["alignment/exact"].append(exact / total)
-
     def _divergence_loss(self, unwrapped, inputs, input_ids, attention_mask, loss_mask, normalizer):
         """Runs inside the student wrapper's forward (so DDP/DeepSpeed see one forward): the teacher's divergence loss
         on the student's final hidden states (full-vocabulary generalised JSD in-process, top-k plus tail from a
@@ -267,17 +256,21 @@ class LossMixin:
                 logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
         return out.loss, logps, entropies, out.teacher_logps, aux_loss
 
-    def _log_teacher_metrics(self, logps, teacher_logps, entropies, scored, loss_mask, token_source, teachers):
+    def _log_teacher_metrics(self, logps, teacher_logps, entropies, scored, loss_mask, token_source, teachers, signal):
         """`teacher_kl/sampled` (the sampled reverse KL `log p_S - log p_T`, a one-sample estimate of KL(p_S || p_T))
         and `teacher_nll`, means over every completion token the student sampled itself (supervised or not) in the
         rows the teacher scored (`scored`: the completion mask, less the rows state selection skipped); with
         several teachers, `teacher_kl/sampled/<name>` per teacher too (each row's `teachers` entry). Supervised
-        tokens per teacher are counted per optimizer step by the state records (`StateLoggingCallback`)."""
+        tokens per teacher are counted per optimizer step by the state records (`StateLoggingCallback`). From a
+        teacher of another tokenizer (`signal`), `alignment/exact`: the share of supervised tokens whose teacher
+        log-prob is exact (the rest are in chunks: `teachers/alignment.py`). One all-reduce for all of them."""
         mode = "train" if self.model.training else "eval"
         sampled = scored & (token_source == LEARNER)
         if self.args.signal == "continuation":
             sampled &= ~loss_mask.bool()  # the student's own prefix; the rest was written by the teacher
         kl = (logps - teacher_logps) * sampled
+        # every rank has the same teacher, so the same entries: none, or the exact supervised tokens
+        exact = [] if signal is None else [((signal == TeacherSignal.EXACT) & loss_mask.bool()).sum().float()]
         per_teacher = []
         for name in self.teacher.names:
             rows = torch.tensor([t == name for t in teachers], device=kl.device)[:, None]
@@ -289,13 +282,17 @@ class LossMixin:
                 sampled.sum().float(),
                 (entropies * loss_mask).sum(),
                 loss_mask.sum(),
+                *exact,
                 *per_teacher,
             ]
         )
         totals = collective.sum_over_ranks(self.accelerator, sums)
         kl_sum, nll_sum, count, entropy_sum, supervised = totals[:5]
+        if exact and supervised > 0:
+            self._metrics[mode]["alignment/exact"].append(totals[5] / supervised)
+        first = 5 + len(exact)
         for i, name in enumerate(self.teacher.names):
-            teacher_kl_sum, teacher_count = totals[5 + 2 * i : 7 + 2 * i]
+            teacher_kl_sum, teacher_count = totals[first + 2 * i : first + 2 + 2 * i]
             if teacher_count > 0:
                 self._metrics[mode][f"teacher_kl/sampled/{name}"].append(teacher_kl_sum / teacher_count)
         if count > 0:

@@ -1,0 +1,73 @@
+"""On-policy distillation from a teacher of another tokenizer on two DDP ranks, launched by
+tests/test_cross_tokenizer_teacher.py with `accelerate launch --multi_gpu --num_processes 2`.
+
+Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_ranks.py STUDENT TEACHER OUT
+
+Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, the teacher's class) and the exact and
+supervised tokens of its own rows per step, counted from its batches; the trainer's `alignment/exact` is summed over
+both ranks.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared CPU settings
+
+import torch  # noqa: E402
+from cpu_settings import CPU  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback  # noqa: E402
+from trl_statelens.lab import LabWorld, format_plain  # noqa: E402
+from trl_statelens.teachers import resolved_signal  # noqa: E402
+from trl_statelens.teachers.alignment import TeacherSignal  # noqa: E402
+
+torch.set_num_threads(1)
+student_path, teacher_path, output_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+rows = LabWorld(seed=0).math("train", n=16)
+dataset = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in rows])
+trainer = OnPolicyDistillTrainer(
+    model=student_path,
+    teacher_model=teacher_path,
+    args=OnPolicyDistillConfig(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=24,
+        learning_rate=1e-3,
+        temperature=1.0,
+        **CPU,
+    ),
+    train_dataset=dataset,
+    callbacks=[StateLoggingCallback(sample_rate=1.0)],
+)
+counts = []  # per step on this rank: (exact supervised tokens, supervised tokens)
+compute_loss = trainer._compute_loss
+
+
+def counting_loss(model, inputs):
+    if model.training:
+        signal = resolved_signal(inputs["teacher_scores"], inputs["completion_ids"])
+        supervised = inputs["completion_mask"].bool()
+        counts.append([int(((signal == TeacherSignal.EXACT) & supervised).sum()), int(supervised.sum())])
+    return compute_loss(model, inputs)
+
+
+trainer._compute_loss = counting_loss
+trainer.train()
+accelerator = trainer.accelerator
+report = {
+    "world_size": accelerator.num_processes,
+    "backend": str(getattr(accelerator.state, "backend", "")),
+    "teacher": type(trainer.teacher).__name__,
+    "counts": counts,
+    "log_history": trainer.state.log_history,
+}
+(output_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))
+trainer.accelerator.end_training()
