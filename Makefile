@@ -73,9 +73,10 @@ demo: $(CORE)
 
 # The real-model study's chosen setting (recipes/configs/real/self_distill_demo.yaml): SmolLM2-135M-Instruct as its own
 # teacher behind four solved examples as chat turns, 40 steps on real GSM8K from ../shared/data, trained on the study's
-# pool (the data folder `real_opd_study.py data` writes: the same teacher shots as the study); about 40 minutes on 2
-# cores. `QUICK=1`: 6 steps and 32 problems, under 10 minutes: the path, not the effect. `REAL_DATA=hub make demo-real`
-# reads the hub instead (network; GSM8K's whole train split, so other shots).
+# pool (the data folder `real_opd_study.py data` writes: the same teacher shots as the study); 54 minutes on 2
+# cores (2026-12-05, docs/real-model.md). `QUICK=1`: 6 steps and 32 problems (its time with this teacher not yet
+# measured): the path, not the effect. `REAL_DATA=hub make demo-real` reads the hub instead (network; GSM8K's whole
+# train split, so other shots).
 REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
 REAL_POOL := runs/real-study/data-test
 REAL_ARGS := $(if $(filter hub,$(REAL_DATA)),--dataset_name openai/gsm8k --eval_data hub,--dataset_name $(REAL_POOL)/gsm8k --eval_data $(REAL_POOL))
