@@ -74,8 +74,8 @@ demo: $(CORE)
 # The real-model study's chosen setting (recipes/configs/real/self_distill_demo.yaml): SmolLM2-135M-Instruct as its own
 # teacher behind four solved examples as chat turns, 40 steps on real GSM8K from ../shared/data, trained on the study's
 # pool (the data folder `real_opd_study.py data` writes: the same teacher shots as the study); 54 minutes on 2
-# cores (2026-12-05, docs/real-model.md). `QUICK=1`: 6 steps and 32 problems (its time with this teacher not yet
-# measured): the path, not the effect. `REAL_DATA=hub make demo-real` reads the hub instead (network; GSM8K's whole
+# cores (2026-12-05, docs/real-model.md). `QUICK=1`: 4 steps and 32 problems, 7 min 10 s (2026-12-05, empty model
+# cache): the path, not the effect. `REAL_DATA=hub make demo-real` reads the hub instead (network; GSM8K's whole
 # train split, so other shots).
 REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
 REAL_POOL := runs/real-study/data-test
@@ -83,7 +83,7 @@ REAL_ARGS := $(if $(filter hub,$(REAL_DATA)),--dataset_name openai/gsm8k --eval_
 REAL_ENV := $(if $(filter hub,$(REAL_DATA)),HF_HUB_OFFLINE=0,)
 REAL_LAUNCH := $(REAL_ENV) $(BIN)/accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process $(THREADS)
 , := ,
-REAL_QUICK := $(if $(QUICK),--max_steps 6 --probe_steps 3 --eval_limit gsm8k=32$(,)truthfulqa=32,)
+REAL_QUICK := $(if $(QUICK),--max_steps 4 --probe_steps 2 --eval_limit gsm8k=32$(,)truthfulqa=32,)
 demo-real: $(STAMP)
 	@if [ -z "$(REAL_DATA)" ]; then \
 		echo "make demo-real reads real GSM8K and TruthfulQA from ../shared/data (gsm8k/train.jsonl, gsm8k/test.jsonl, truthfulqa/), which is not here."; \
@@ -93,7 +93,7 @@ demo-real: $(STAMP)
 	rm -rf runs/real/demo
 	$(if $(filter hub,$(REAL_DATA)),,$(BIN)/python recipes/studies/real_opd_study.py data --data $(REAL_DATA) --out runs/real-study)
 	$(REAL_LAUNCH) recipes/self_distill.py --config recipes/configs/real/self_distill_demo.yaml $(REAL_ARGS) $(REAL_QUICK)
-	@$(if $(QUICK),echo "QUICK=1 ran 6 of the setting's 40 steps: it shows the path and the records$(,) not the effect (make demo-real without QUICK).")
+	@$(if $(QUICK),echo "QUICK=1 ran 4 of the setting's 40 steps: it shows the path and the records$(,) not the effect (make demo-real without QUICK).")
 	@echo "This setting on 250 GSM8K test problems, with SFT, the teacher and the 2026-12-03 run beside it: STUDY.md, \"A real model\"."
 
 # The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
