@@ -1,8 +1,8 @@
 """How SmolLM2-135M-Instruct's sampling scales with the number of rollouts decoded together, on real GSM8K prompts.
 
 A real OPD step's largest part is `generate` (BENCHMARKS.md 6.1), and a decode step at batch 8 spends about 5x the
-time its weight reads need. More rows per decode step share each read of the weights, so a step of 32 rollouts should
-cost far less than four steps of 8. This measures it: for each batch size, the plain cached `generate` the trainer's
+time its weight reads need. More rows per decode step share each read of the weights; this measures how much that
+saves (BENCHMARKS.md 6.1: 32 rollouts cost 0.66x four calls of 8 on 2 cores, 2026-12-05): for each batch size, the plain cached `generate` the trainer's
 floor uses (`do_sample`, temperature 1, exactly `--tokens` new tokens through `min_new_tokens`), on the first
 `batch` GSM8K train prompts in the chat template, both cores, `--repeats` timed calls after one warm-up; per batch
 the median seconds per call, per decode step and per sampled token.
