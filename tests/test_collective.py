@@ -9,7 +9,9 @@ divergence).
 """
 
 import threading
+import traceback
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from cpu_settings import CPU
@@ -19,27 +21,55 @@ from vllm_test_server import TestTeacherServer
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, collective, heads
 from trl_statelens.lab import format_plain
 
+PACKAGE = Path(collective.__file__).parent
+
+
+class UnmatchedGather(RuntimeError):
+    """A gather one rank made and the other did not: real ranks would wait in it forever."""
+
 
 class TwoRanks:
-    """Two ranks played by two threads: `gather_counts` waits for both and answers each with both counts. A rank
-    that makes a gather the other never makes fails with `threading.BrokenBarrierError` (the other has finished, or
-    waited `timeout` s), where real ranks would wait forever."""
+    """Two ranks played by two threads: the k-th `gather_counts` of each waits for the other's k-th and answers both
+    with both counts. A gather the other rank never makes (it finished training, or did not make it within `timeout`
+    s) raises [`UnmatchedGather`], with where each rank made its gathers. A rank's gather is matched once the other's
+    is recorded, whatever that rank does next: one that finishes right after a shared gather breaks nothing."""
 
     def __init__(self, timeout: float = 120):
-        self.barrier = threading.Barrier(2, timeout=timeout)
-        self.counts = [0, 0]
-        self.gathered = []  # both ranks' counts, gather by gather
+        self.timeout = timeout
+        self.condition = threading.Condition()
+        self.counts = ([], [])  # each rank's counts, gather by gather
+        self.sites = ([], [])  # where in the package each rank made each gather
+        self.finished = [False, False]
         self.local = threading.local()
+
+    @property
+    def gathered(self) -> list[list[int]]:
+        """Both ranks' counts, gather by gather (the gathers both made)."""
+        return [list(pair) for pair in zip(*self.counts)]
 
     def gather_counts(self, accelerator, count):
         rank = self.local.rank
-        self.counts[rank] = count
-        self.barrier.wait()
-        counts = list(self.counts)
-        if rank == 0:
-            self.gathered.append(counts)
-        self.barrier.wait()  # both have read before either writes its next count
-        return counts
+        other = 1 - rank
+        with self.condition:
+            self.counts[rank].append(count)
+            self.sites[rank].append(_package_call_site())
+            number = len(self.counts[rank])
+            self.condition.notify_all()
+            self.condition.wait_for(lambda: len(self.counts[other]) >= number or self.finished[other], self.timeout)
+            if len(self.counts[other]) < number:
+                state = "finished training" if self.finished[other] else f"waited {self.timeout} s"
+                raise UnmatchedGather(
+                    f"rank {rank}'s gather {number} at {self.sites[rank][-1]} is not matched: rank {other} {state} "
+                    f"after {len(self.counts[other])} gathers (rank {rank}'s: {self.sites[rank]}; rank {other}'s: "
+                    f"{self.sites[other]})"
+                )
+            return [self.counts[0][number - 1], self.counts[1][number - 1]]
+
+    def finish(self, rank: int) -> None:
+        """Rank `rank` makes no more gathers: one the other still waits in fails at once."""
+        with self.condition:
+            self.finished[rank] = True
+            self.condition.notify_all()
 
     def train(self, trainers):
         errors = [None, None]
@@ -50,16 +80,53 @@ class TwoRanks:
                 trainers[rank].train()
             except BaseException as error:  # noqa: BLE001 (raised below, in the test's thread)
                 errors[rank] = error
-            self.barrier.abort()  # a rank done makes no more gathers: one the other still makes fails at once
+            self.finish(rank)
 
         threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        # A rank's own error first; a broken barrier only says that the other rank stopped gathering
-        for error in sorted((e for e in errors if e), key=lambda e: isinstance(e, threading.BrokenBarrierError)):
+        # A rank's own error first; an unmatched gather only says that the other rank stopped gathering
+        for error in sorted((e for e in errors if e), key=lambda e: isinstance(e, UnmatchedGather)):
             raise error
+
+
+def _package_call_site() -> str:
+    """`module.py:function` of the package frame nearest the gather (outside `collective.py`)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if path.is_relative_to(PACKAGE) and path.name != "collective.py":
+            return f"{path.relative_to(PACKAGE)}:{frame.name}"
+    return "outside the package"
+
+
+class _Gathers:
+    """A stand-in trainer whose `train` makes `number` gathers and returns at once."""
+
+    def __init__(self, ranks: TwoRanks, number: int):
+        self.ranks, self.number = ranks, number
+
+    def train(self):
+        for count in range(self.number):
+            collective.gather_counts(None, count)
+
+
+def test_two_ranks_answer_gathers_both_make_even_when_one_finishes_at_once(monkeypatch):
+    """A rank that finishes right after a gather both made breaks nothing, however soon (the harness's 2026-12-05 CI
+    failure: the barrier it used then was aborted by the finished rank before the other had left it)."""
+    for _ in range(200):
+        ranks = TwoRanks(timeout=10)
+        monkeypatch.setattr(collective, "gather_counts", ranks.gather_counts)
+        ranks.train([_Gathers(ranks, 2), _Gathers(ranks, 2)])
+        assert ranks.gathered == [[0, 0], [1, 1]]
+
+
+def test_two_ranks_refuse_a_gather_only_one_makes(monkeypatch):
+    ranks = TwoRanks(timeout=10)
+    monkeypatch.setattr(collective, "gather_counts", ranks.gather_counts)
+    with pytest.raises(UnmatchedGather, match="rank 1's gather 3 .* rank 0 finished training after 2 gathers"):
+        ranks.train([_Gathers(ranks, 2), _Gathers(ranks, 3)])
 
 
 def count_model_calls(trainer, teacher_models: dict) -> Counter:
@@ -161,6 +228,7 @@ def test_every_rank_makes_as_many_model_calls(
         models = {name: trainer.accelerator.unwrap_model(t.model) for name, t in in_process.items()}
         calls.append(count_model_calls(trainer, models))
     ranks.train(trainers)
+    assert ranks.sites[0] == ranks.sites[1]  # the same gathers, in the same order, from the same places
     assert calls[0] == calls[1]
     assert [trainer.state.global_step for trainer in trainers] == [1, 1]
     # The case under test: the ranks' own work differed wherever their rows make it differ (a router's rows per

@@ -791,7 +791,7 @@ def test_a_request_failed_on_one_rank_stops_every_rank_together(
     tmp_path, teacher_server, teacher_path, student_path, math_dataset, monkeypatch, overlap
 ):
     """Two ranks played by two threads (tests/test_collective.py's `TwoRanks`: a gather answers each rank with both
-    ranks' counts; a gather the other rank never joins fails with `BrokenBarrierError`, where real ranks would hang).
+    ranks' counts; a gather the other rank never joins fails with `UnmatchedGather`, where real ranks would hang).
     Rank 0's server rejects every scoring request, rank 1's answers. Rank 0 raises its own `TeacherServerError` where
     it reads the answer (the loss, or at once without `teacher_server_overlap`), and rank 1 raises one naming process 0
     at the same point, not later in a collective rank 0 never joins. (Review 2026-12-01, item 11.)"""
@@ -819,8 +819,7 @@ def test_a_request_failed_on_one_rank_stops_every_rank_together(
                 trainers[rank].train()
             except BaseException as error:  # noqa: BLE001 (checked below, in the test's thread)
                 errors[rank] = error
-                return  # (not aborting the barrier, which the other rank may still be leaving after a shared gather)
-            ranks.barrier.abort()  # a rank done makes no more gathers: one the other still makes fails at once
+            ranks.finish(rank)  # a rank done makes no more gathers: one the other still makes fails at once
 
         threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
         for thread in threads:
@@ -828,6 +827,6 @@ def test_a_request_failed_on_one_rank_stops_every_rank_together(
         for thread in threads:
             thread.join()
     assert isinstance(errors[0], TeacherServerError) and "rejected scoring: HTTP 400" in str(errors[0]), errors
-    assert isinstance(errors[1], TeacherServerError), errors  # not a broken barrier: a hang under real ranks
+    assert isinstance(errors[1], TeacherServerError), errors  # not an unmatched gather: a hang under real ranks
     assert "process 0: a request to the teacher server failed" in str(errors[1])
     assert [trainer.state.global_step for trainer in trainers] == [0, 0]
