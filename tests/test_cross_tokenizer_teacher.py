@@ -131,7 +131,24 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         ]  # fmt: skip
         assert digit_runs and all(carried.signal[i] == TeacherSignal.CHUNK_INSIDE for i in digit_runs)
     assert teacher.respell(completions[0])[-1] == teacher_tokenizer.eos_token_id  # by role
+    # What the teacher's forwards run over beyond the student's rollouts, per step: its own tokens of each prompt and
+    # completion against the student's, signed (the ledger's `teacher_context_tokens`, in the teacher's FLOPs)
+    extra_tokens, prompts_of, score = [], teacher.prompts, teacher.score
+
+    def prompts_counted(student_prompts, rows):
+        prompts = prompts_of(student_prompts, rows)
+        extra_tokens.append(sum(len(t) - len(s) for t, s in zip(prompts, student_prompts)))
+        return prompts
+
+    def score_counted(prompts, completions, *args, **kwargs):
+        extra_tokens[-1] += sum(len(teacher.respell([int(t) for t in c])) - len(c) for c in completions)
+        return score(prompts, completions, *args, **kwargs)
+
+    teacher.prompts, teacher.score = prompts_counted, score_counted
     trainer.train()
+    ledger = [json.loads(line) for line in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+    assert [line.get("teacher_context_tokens", 0) for line in ledger] == extra_tokens
+    assert any(extra_tokens)
     exact = [e["alignment/exact"] for e in trainer.state.log_history if "alignment/exact" in e]
     assert len(exact) == 2 and all(0.0 < share < 1.0 for share in exact)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

@@ -96,7 +96,9 @@ class ComputeCounter:
     is trained on its tokens only (6 N_S).
 
     A self teacher reads its own prompt, longer than the student's by its privileged context: those extra tokens
-    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes. A rollout
+    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes. A teacher
+    of another tokenizer reads the prompt and the completion in its own tokens: the same count holds the difference
+    from the student's, signed (fewer where its vocabulary writes the text in fewer tokens). A rollout
     the teacher did not score (state selection, `skip_correct_rollouts`) is not counted as teacher work: its prompt
     and completion tokens (`teacher_skipped_tokens`, the ledger's count) come off the teacher's reads.
 
@@ -150,9 +152,10 @@ class ComputeCounter:
         teacher_generation: float = 0.0,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
-        counts them), `supervised` tokens, `teacher_context` tokens (a self teacher's, `teacher_context_tokens`) and
-        `teacher_skipped` tokens (of the rollouts the teacher did not score, `teacher_skipped_tokens`); `totals`, the
-        ledger's summed counts, weigh teachers of several sizes; `cache`, the teacher cache's counts
+        counts them), `supervised` tokens, `teacher_context` tokens (`teacher_context_tokens`: a self teacher's extra
+        prompt tokens, a teacher of another tokenizer's difference in tokens) and `teacher_skipped` tokens (of the
+        rollouts the teacher did not score, `teacher_skipped_tokens`); `totals`, the ledger's summed counts, weigh
+        teachers of several sizes; `cache`, the teacher cache's counts
         (`cache_reused_tokens`, `cache_reused_completion_tokens`, `cache_checked_tokens`: [`cache_counts`]);
         `teacher_generation`, the tokens of the teacher's forwards writing `teacher` states ([`teacher_generation`],
         2 N_T each)."""

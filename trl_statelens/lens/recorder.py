@@ -251,9 +251,10 @@ class StateRecorderMixin:
             self.step_counts.add(teacher_tokens=sum(len(row) for row in rows))
 
     def _count_teacher_context(self, teacher_prompts: list[list[int]], student_prompts: list[list[int]]) -> None:
-        """Count how many more tokens the teacher's prompts hold than the student's (this rank's rows; none unless the
-        teacher reads its own prompts, as a self teacher does): its forward runs over them too, which the FLOPs count
-        (`ComputeCounter`) adds to the rollout tokens. Training only."""
+        """Count how many more tokens the teacher's rows hold than the student's (this rank's rows; none unless the
+        teacher reads its own prompts, as a self teacher does, or its own tokenization of the prompts and completions,
+        as a teacher of another tokenizer does, where it can be fewer: the count is signed): its forward runs over
+        them too, which the FLOPs count (`ComputeCounter`) adds to the rollout tokens. Training only."""
         if self.step_counts is not None and self.model.training:
             self.step_counts.add(
                 teacher_context_tokens=sum(len(t) - len(s) for t, s in zip(teacher_prompts, student_prompts))

@@ -76,7 +76,7 @@ class StateRecords:
     selection: torch.Tensor | None = None  # None: no state selection, every entry SCORED (0)
     samples: list[dict] = field(default_factory=list)
     teacher_tokens: int | None = None  # positions the teacher scored or wrote (all ranks); None: no teacher
-    teacher_context_tokens: int = 0  # tokens of a self teacher's prompts beyond the student's (all ranks)
+    teacher_context_tokens: int = 0  # tokens the teacher reads beyond the student's rollouts, signed (all ranks)
 
     def __post_init__(self):
         if self.teacher is None:

@@ -138,6 +138,8 @@ class CrossTokenizerTeacher(InProcessTeacher):
         """The teacher's log-probs of its own spelling of each completion after its own prompt (`prompts` are the
         teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`."""
         teacher_completions = [self.respell([int(t) for t in c]) for c in completions]
+        # Its forward runs over its own spelling of the completions: the FLOPs count the difference as its context
+        self.trainer._count_teacher_context(teacher_completions, completions)
         scores = self._score_rows(prompts, teacher_completions)
         carried = []
         for student_ids, teacher_ids, row in zip(completions, teacher_completions, scores):
