@@ -45,3 +45,26 @@ def test_a_move_is_judged_against_the_candidates_own_start_and_the_cheapest_with
     assert (result["chosen"]["candidate"], result["chosen"]["step"]) == ("cold", 75)
     warm_rows = [r for r in result["rows"] if r["candidate"] == "warm"]
     assert warm_rows[0]["flops"] == pytest.approx(5e11 + 25e10)  # the warm start's own training counted
+
+
+def run_curve(steps, flops, correct_by_step):
+    """One seed's training-time curve: per evaluated step, which of the problems q0..q3 it got right."""
+    items = [{f"q{i}": float(c) for i, c in enumerate(correct)} for correct in correct_by_step]
+    return {"steps": steps, "flops": flops, "items": items, "problems": sorted(items[0])}
+
+
+def test_opd_to_grpo_ratio_reads_the_seed_mean_smoothed_curves():
+    # GRPO: seed means 0.25, 0.50, 0.75 (smoothed 0.375, 0.5, 0.625): best 0.625 at step 75, 3e12 FLOPs
+    grpo = [run_curve([25, 50, 75], [1e12, 2e12, 3e12], [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]])] * 2
+    # OPD: seed means 0.5, 0.75, 0.75 (smoothed 0.625, 0.667, 0.75): reaches 0.625 at its first point, 5e11
+    opd = [run_curve([15, 30, 45], [5e11, 1e12, 1.5e12], [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]),
+           run_curve([15, 30, 45], [5e11, 1e12, 1.5e12], [[0, 0, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]])]  # fmt: skip
+    result = grpo_fair.opd_to_grpo_ratio({"grpo": grpo, "opd_from_mild_sft": opd}, range(4))
+    assert result["grpo_best"] == pytest.approx(0.625) and result["grpo_step"] == 75
+    assert (result["opd_step"], result["opd_flops"]) == (15, 5e11)
+    assert result["ratio"] == pytest.approx(3e12 / 5e11)
+    # on a resample of the problems GRPO never gets right, OPD's curve is judged against GRPO's best there
+    never = grpo_fair.opd_to_grpo_ratio({"grpo": grpo, "opd_from_mild_sft": opd[:1]}, [3, 3])
+    assert never["grpo_best"] == 0.0 and never["opd_step"] == 15
+    below = grpo_fair.opd_to_grpo_ratio({"grpo": grpo, "opd_from_mild_sft": opd[1:]}, [0])
+    assert below["grpo_best"] == 1.0 and below["ratio"] is None and below["opd_flops"] is None  # never reached

@@ -76,13 +76,11 @@ def test_paired_comparison_and_its_bootstrap_interval(tmp_path, monkeypatch):
     assert results["lucky"]["per_seed"] == pytest.approx([0.01, 0.01]) and not results["lucky"]["real"]
 
 
-def test_retention_flips_count_each_item_that_changed_whichever_way(tmp_path, monkeypatch):
+def test_retention_flips_count_each_item_that_changed_whichever_way(tmp_path):
     """A run that loses 2 truthfulqa items the base got right and gains 2 it got wrong has a mean change of 0: the
     flips say 2 and 2."""
     sys.path.insert(0, str(STUDY.parent))
     import study_lab
-
-    monkeypatch.setattr(study_lab, "RUNS", [("swaps", "sft", "sft.yaml", [])])
 
     def write(run_dir, truthfulqa):
         (run_dir / "eval").mkdir(parents=True)
@@ -92,6 +90,23 @@ def test_retention_flips_count_each_item_that_changed_whichever_way(tmp_path, mo
 
     write(tmp_path / "base", [1, 1, 1, 0, 0, 0])
     write(tmp_path / "seed0" / "swaps", [0, 0, 1, 1, 1, 0])
-    flips = study_lab.retention_flips(tmp_path, [0])["swaps"]
+    flips = study_lab.retention_flips(tmp_path, [0], ["swaps"])["swaps"]
     assert flips["truthfulqa"] == {"lost": [2], "gained": [2], "items": 6}
     assert flips["mmlu"] == {"lost": [0], "gained": [0], "items": 1}
+
+
+def test_grpo_flags_reach_both_grpo_runs_and_the_controls_come_with_their_advantage(tmp_path):
+    """`--grpo_flags` (grpo_fair.py's chosen setting) follow the config's flags of `grpo` and `stock_grpo` only; the
+    no-teacher controls join the runs only with `--constant_advantage`."""
+    sys.path.insert(0, str(STUDY.parent))
+    import study_lab
+
+    flags = tmp_path / "grpo_flags.json"
+    flags.write_text(json.dumps(["--max_steps", "150", "--model_name_or_path", "{mild_sft}"]))
+    runs = {name: extra for name, _, _, extra in study_lab.study_runs(flags, None)}
+    assert runs["grpo"] == ["--max_steps", "150", "--model_name_or_path", "{mild_sft}"]
+    assert runs["stock_grpo"][-4:] == runs["grpo"] and runs["stock_grpo"][0] == "--baseline"
+    assert runs["mild_sft"] == [] and "opd_rkl_constant" not in runs
+    with_controls = {name: extra for name, _, _, extra in study_lab.study_runs(None, -0.25)}
+    assert with_controls["grpo"] == [] and "{constant_advantage}" in with_controls["opd_rkl_constant"]
+    assert "{base_model}" in with_controls["opd_rkl_teacher_is_base"]

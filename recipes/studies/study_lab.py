@@ -42,6 +42,16 @@ RUNS = [
      ["--teacher_model_name_or_path", "{stress_sft}", *STOCK]),
     ("stock_grpo", "grpo", "grpo.yaml", [*STOCK]),
 ]  # fmt: skip
+# The no-teacher controls of the reverse-KL OPD arm (with `--constant_advantage`): one constant advantage on every
+# supervised token in place of the teacher's (which still scores, for the lens), and a teacher equal to the student's
+# start ({base_model}, the model every run starts from)
+CONTROLS = [
+    ("opd_rkl_constant", "opd", "opd_from_stress_sft.yaml",
+     ["--teacher_model_name_or_path", "{stress_sft}", "--signal", "reverse_kl",
+      "--constant_advantage", "{constant_advantage}"]),
+    ("opd_rkl_teacher_is_base", "opd", "opd_from_stress_sft.yaml",
+     ["--teacher_model_name_or_path", "{base_model}", "--signal", "reverse_kl"]),
+]  # fmt: skip
 SCORES = ("gsm8k", "truthfulqa", "mmlu")
 ITEM_SCORE = {"gsm8k": "correct_strict", "truthfulqa": "mc1", "mmlu": "correct"}  # per item, in eval/*.items.jsonl
 RETENTION = ("truthfulqa", "mmlu")  # the retention checks, counted item by item (`retention_flips`)
@@ -56,16 +66,25 @@ COMPARISONS = [
     ("2. OPD student (reverse_kl) vs the base", "opd_rkl_from_stress_sft", "base"),
     ("OPD from the mild teacher vs the base", "opd_from_mild_sft", "base"),
     ("3. GRPO helps the target, keeps retention", "grpo", "base"),
+    ("3. GRPO vs the mild SFT", "grpo", "mild_sft"),
 ]
+CONTROL_COMPARISONS = [
+    ("5. constant advantage vs the teacher's (reverse_kl OPD)", "opd_rkl_constant", "opd_rkl_from_stress_sft"),
+    ("5. teacher equal to the student's start vs the degraded teacher", "opd_rkl_teacher_is_base",
+     "opd_rkl_from_stress_sft"),
+]  # fmt: skip
 BOOTSTRAP_SAMPLES = 2000
-# --smoke: two tiny steps per run and three items per evaluation task, to keep the chain working in CI
+# --smoke: two tiny steps per run and three items per evaluation task (GRPO and OPD evaluate the target after each
+# step, as their curves against compute read), to keep the chain working in CI
 SMOKE_FLAGS = {
     "eval": ["--eval_limit", "3", "--eval_max_new_tokens", "8"],
     "sft": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--probe_steps", "1"],
     "grpo": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
-             "--max_completion_length", "8", "--probe_steps", "1"],
+             "--max_completion_length", "8", "--probe_steps", "1", "--target_eval_steps", "1",
+             "--target_eval_limit", "3"],
     "opd": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
-            "--max_completion_length", "8", "--probe_steps", "1"],
+            "--max_completion_length", "8", "--probe_steps", "1", "--target_eval_steps", "1",
+            "--target_eval_limit", "3"],
 }  # fmt: skip
 
 
@@ -87,14 +106,21 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="two tiny steps per run (the CI test of the chain)")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, one process each (one torch thread)")
     parser.add_argument(
-        "--runs", nargs="+", choices=[name for name, *_ in RUNS], help="only these runs (default: all)"
+        "--runs", nargs="+", choices=[name for name, *_ in RUNS + CONTROLS], help="only these runs (default: all)"
     )
+    parser.add_argument("--grpo_flags", type=Path, help="a JSON list of flags for `grpo` and `stock_grpo`, after "
+                        "their config's (recipes/studies/grpo_fair.py writes the chosen setting's)")  # fmt: skip
+    parser.add_argument("--constant_advantage", type=float, help="run the no-teacher controls too (CONTROLS), the "
+                        "constant one with this advantage on every supervised token")  # fmt: skip
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model = ["--model_name_or_path", args.model_name_or_path]
     eval_flags = SMOKE_FLAGS["eval"] if args.smoke else []
+    runs = study_runs(args.grpo_flags, args.constant_advantage)
+    names = [name for name, *_ in runs]
+    placeholders = {"base_model": args.model_name_or_path, "constant_advantage": str(args.constant_advantage)}
 
     base = out / "base"
     if not (base / "results.json").exists():
@@ -123,27 +149,27 @@ def main():
 
     for seed in args.seeds:
         seed_dir = out / f"seed{seed}"
-        folders = {name: seed_dir / name for name, *_ in RUNS}
-        for name, recipe, config, extra in RUNS:
+        folders = {name: seed_dir / name for name in names}
+        for name, recipe, config, extra in runs:
             folder = folders[name]
             if (folder / "results.json").exists() or (args.runs and name not in args.runs):
                 continue
             print(f"seed {seed}: {name}", flush=True)
             shutil.rmtree(folder / "statelens", ignore_errors=True)  # an unfinished run (no checkpoints) starts over
             folder.mkdir(parents=True, exist_ok=True)
-            flags = [flag.format(**{k: str(v) for k, v in folders.items()}) for flag in extra]
+            flags = [flag.format(**placeholders, **{k: str(v) for k, v in folders.items()}) for flag in extra]
             smoke = SMOKE_FLAGS[recipe] + eval_flags if args.smoke else []
             command = [sys.executable, str(RECIPES / f"{recipe}.py"), "--config", str(CONFIGS / config), "--seed", str(seed),
                        "--output_dir", str(folder), "--eval_before", "false", *model, *smoke, *flags]  # fmt: skip
             run(command, folder / "log.txt")
         if all((folders[name] / "results.json").exists() for name in folders):
-            write_report([folders[name] for name, *_ in RUNS], seed_dir / "report", base=base)
-    if not all((out / f"seed{seed}" / name / "results.json").exists() for seed in args.seeds for name, *_ in RUNS):
+            write_report([folders[name] for name in names], seed_dir / "report", base=base)
+    if not all((out / f"seed{seed}" / name / "results.json").exists() for seed in args.seeds for name in names):
         print("some runs are not done yet (--runs): no report or summary")
         return
-    summary = summarize(out, args.seeds)
-    comparisons = compare_runs(out, args.seeds)
-    flips = retention_flips(out, args.seeds)
+    summary = summarize(out, args.seeds, names)
+    comparisons = compare_runs(out, args.seeds, COMPARISONS + (CONTROL_COMPARISONS if args.constant_advantage else []))
+    flips = retention_flips(out, args.seeds, names)
     minutes = (time.perf_counter() - started) / 60
     (out / "summary.json").write_text(
         json.dumps(
@@ -162,11 +188,19 @@ def main():
     print(text)
 
 
-def summarize(out: Path, seeds: list[int]) -> dict:
-    """Per run: every Table 2 column as mean, standard deviation and the per-seed values."""
+def study_runs(grpo_flags: Path | None, constant_advantage: float | None) -> list[tuple]:
+    """`RUNS`, GRPO's runs with the flags in the `grpo_flags` file after their own, and `CONTROLS` when a
+    `constant_advantage` is given."""
+    extra = json.loads(grpo_flags.read_text()) if grpo_flags else []
+    runs = [(n, r, c, [*flags, *extra] if r == "grpo" else flags) for n, r, c, flags in RUNS]
+    return runs + (CONTROLS if constant_advantage is not None else [])
+
+
+def summarize(out: Path, seeds: list[int], names: list[str]) -> dict:
+    """Per run (`names`): every Table 2 column as mean, standard deviation and the per-seed values."""
     base_scores = json.loads((out / "base" / "results.json").read_text())["after"]["scores"]
     table = {"base": {task: {"mean": base_scores[task], "std": 0.0, "values": [base_scores[task]]} for task in SCORES}}
-    for name, *_ in RUNS:
+    for name in names:
         columns = {}
         for seed in seeds:
             results = json.loads((out / f"seed{seed}" / name / "results.json").read_text())
@@ -228,12 +262,12 @@ def compare_runs(out: Path, seeds: list[int], comparisons: list[tuple] | None = 
     return results
 
 
-def retention_flips(out: Path, seeds: list[int]) -> dict:
+def retention_flips(out: Path, seeds: list[int], names: list[str]) -> dict:
     """Per run and retention task: the items the base answers right and the run wrong (`lost`) and the reverse
     (`gained`), per seed. A mean change hides flips that cancel: a run can lose 20 items and gain 20."""
     base = run_item_scores(out / "base")
     flips = {}
-    for name, *_ in RUNS:
+    for name in names:
         flips[name] = {}
         for task in RETENTION:
             lost, gained = [], []
