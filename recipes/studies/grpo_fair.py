@@ -48,7 +48,7 @@ DEV_FLAGS = ["--eval_split", "dev", "--target_eval_steps", "25", "--target_eval_
              "--probe_steps", "25", "--seed", "0", "--lab_seed", "0"]  # fmt: skip
 SMOKE_EVAL = ["--max_steps", "2", "--eval_limit", "4", "--eval_max_new_tokens", "8", "--probe_steps", "1",
               "--num_probes", "2"]  # fmt: skip
-SMOKE_GRPO = [*SMOKE_EVAL, "--target_eval_steps", "1", "--target_eval_limit", "4", "--per_device_train_batch_size", "8",
+SMOKE_GRPO = [*SMOKE_EVAL, "--target_eval_steps", "1", "--target_eval_limit", "3", "--per_device_train_batch_size", "8",
               "--num_generations", "4", "--max_completion_length", "8"]  # fmt: skip
 MOVES_BY = TOLERANCE = 0.03  # a candidate moves if its best smoothed score is its start's + MOVES_BY
 STUDY_LAB = Path(__file__).resolve().parent / "study_lab.py"
