@@ -74,18 +74,17 @@ CONTROL_COMPARISONS = [
      "opd_rkl_from_stress_sft"),
 ]  # fmt: skip
 BOOTSTRAP_SAMPLES = 2000
-# --smoke: two tiny steps per run and three items per evaluation task (GRPO and OPD evaluate the target after each
-# step, as their curves against compute read), to keep the chain working in CI
+# --smoke: two tiny steps per run and three items per evaluation task, to keep the chain working in CI
 SMOKE_FLAGS = {
     "eval": ["--eval_limit", "3", "--eval_max_new_tokens", "8"],
     "sft": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--probe_steps", "1"],
     "grpo": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
-             "--max_completion_length", "8", "--probe_steps", "1", "--target_eval_steps", "1",
-             "--target_eval_limit", "3"],
+             "--max_completion_length", "8", "--probe_steps", "1"],
     "opd": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
-            "--max_completion_length", "8", "--probe_steps", "1", "--target_eval_steps", "1",
-            "--target_eval_limit", "3"],
+            "--max_completion_length", "8", "--probe_steps", "1"],
 }  # fmt: skip
+# and here GRPO and OPD evaluate the target after each step, as their curves against compute read (grpo_fair.py)
+SMOKE_TARGET_EVAL = ["--target_eval_steps", "1", "--target_eval_limit", "3"]
 
 
 def run(command: list[str], log: Path) -> None:
@@ -159,6 +158,7 @@ def main():
             folder.mkdir(parents=True, exist_ok=True)
             flags = [flag.format(**placeholders, **{k: str(v) for k, v in folders.items()}) for flag in extra]
             smoke = SMOKE_FLAGS[recipe] + eval_flags if args.smoke else []
+            smoke += SMOKE_TARGET_EVAL if args.smoke and recipe != "sft" else []
             command = [sys.executable, str(RECIPES / f"{recipe}.py"), "--config", str(CONFIGS / config), "--seed", str(seed),
                        "--output_dir", str(folder), "--eval_before", "false", *model, *smoke, *flags]  # fmt: skip
             run(command, folder / "log.txt")
