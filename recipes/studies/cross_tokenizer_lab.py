@@ -1,0 +1,167 @@
+"""A teacher of another tokenizer on the lab (issue 45, item 5), as pre-registered in STUDY.md ("Pre-registration: a
+teacher of another tokenizer on the lab"): reverse-KL OPD of the lab base from the lab math teacher, which shares
+the student's tokenizer (`same`), against the same run from a math teacher of a second lab tokenizer (`cross`).
+
+    python recipes/studies/cross_tokenizer_lab.py --seeds 0 1 2 --jobs 2 --out runs/cross-tokenizer-lab
+    python recipes/studies/cross_tokenizer_lab.py --smoke --model_name_or_path M --same_teacher T --out /tmp/xt  # the test
+
+The second lab tokenizer is trained on the same world with the same vocabulary size, but keeps runs of digits whole
+for its merges to join (the lab's splits digits one by one), so its merges differ too. Its teacher is built as the
+lab's own: a lab-size base pretrained by `pretrain`'s defaults, then `build_teacher`'s fine-tuning on math answers
+(300 steps of 16). The matching rule: while its dev math accuracy is more than `MATCH_BY` below the same-tokenizer
+teacher's, 100 more steps on fresh problems, 600 steps at most. Both are cached in `--out/other/`.
+
+Then per seed both arms: `recipes/opd.py` with the lab config (`opd.yaml`: 75 steps of 32 rollouts, lr 3e-4) and
+`--signal reverse_kl` (the signal a teacher of another tokenizer supports). `summary.json` and `summary.md` in
+`--out`: scores over seeds, paired comparisons with 95% bootstrap intervals over test problems (study_lab.py's), both
+teachers' own scores, the cross arm's `alignment/exact`, and `teacher_kl/sampled` at the first and last steps.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from study_lab import SCORES, SMOKE_FLAGS, compare_runs, comparison_table, run
+
+RECIPES = Path(__file__).resolve().parents[1]
+CONFIG = RECIPES / "configs" / "lab" / "opd.yaml"
+ARMS = ("same", "cross")
+COMPARISONS = [
+    ("teacher of another tokenizer vs the student's (students)", "cross", "same"),
+    ("same-tokenizer teacher's student vs the base", "same", "base"),
+    ("other-tokenizer teacher's student vs the base", "cross", "base"),
+]
+TEACHER_STEPS, MORE_STEPS, MAX_TEACHER_STEPS = 300, 100, 600  # `build_teacher`'s 300 steps of 16, lr 5e-4
+MATCH_BY = 0.05
+EDGE_STEPS = 5  # teacher_kl "first" and "last": the mean over this many steps at each end
+
+
+def build_other_teacher(out: Path, same_teacher: str, smoke: bool) -> dict:
+    """The second lab tokenizer, its base and its math teacher under `out`, by the matching rule; cached."""
+    info_path = out / "info.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_statelens.lab import LabWorld, build_model, build_tokenizer, fine_tune_on_answers, pretrain, score_math
+    from trl_statelens.reports.runs import resolve_model
+
+    world = LabWorld(seed=0)
+    build_tokenizer(world, individual_digits=False, num_documents=2000 if smoke else 20000).save_pretrained(
+        out / "tokenizer"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    model = build_model("test" if smoke else "lab", tokenizer, seed=0)
+    settings = dict(max_steps=2, min_steps=2, batch_size=2, block=32) if smoke else {}
+    pretrained = pretrain(model, tokenizer, world, out / "pretrain", seed=0, **settings)
+    model.save_pretrained(out / "base")
+    tokenizer.save_pretrained(out / "base")
+
+    dev = world.math("dev", n=8 if smoke else None)
+    same = AutoModelForCausalLM.from_pretrained(resolve_model(same_teacher))
+    same_dev = score_math(same, AutoTokenizer.from_pretrained(resolve_model(same_teacher)), dev)
+    steps, batch = (2, 2) if smoke else (TEACHER_STEPS, 16)
+    rows = world.math("train", n=MAX_TEACHER_STEPS * batch, seed=1)  # `build_teacher`'s problems, then fresh ones
+    fine_tune_on_answers(model, tokenizer, rows[: steps * batch], steps, batch, 5e-4, desc="other-tokenizer teacher")
+    history = [{"steps": steps, "dev_math": score_math(model, tokenizer, dev)}]
+    while history[-1]["dev_math"] < same_dev - MATCH_BY and steps < MAX_TEACHER_STEPS and not smoke:
+        more = rows[steps * batch : (steps + MORE_STEPS) * batch]
+        fine_tune_on_answers(model, tokenizer, more, MORE_STEPS, batch, 5e-4, desc="other-tokenizer teacher")
+        steps += MORE_STEPS
+        history.append({"steps": steps, "dev_math": score_math(model, tokenizer, dev)})
+    model.save_pretrained(out / "teacher")
+    tokenizer.save_pretrained(out / "teacher")
+    info = {"pretrain_steps": pretrained["steps"], "same_teacher_dev_math": same_dev, "fine_tuning": history,
+            "vocab_size": len(tokenizer)}  # fmt: skip
+    info_path.write_text(json.dumps(info, indent=2))
+    return info
+
+
+def teacher_kl_ends(run_dir: Path) -> dict:
+    """`teacher_kl/sampled` over the first and the last `EDGE_STEPS` logged steps, and the mean `alignment/exact`."""
+    history = [e for e in json.loads((run_dir / "log_history.json").read_text()) if "teacher_kl/sampled" in e]
+    kl = [e["teacher_kl/sampled"] for e in history]
+    exact = [e["alignment/exact"] for e in history if "alignment/exact" in e]
+    return {"teacher_kl_first": float(np.mean(kl[:EDGE_STEPS])), "teacher_kl_last": float(np.mean(kl[-EDGE_STEPS:])),
+            "alignment_exact": float(np.mean(exact)) if exact else None}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=Path("runs/cross-tokenizer-lab"))
+    parser.add_argument("--model_name_or_path", default="lab", help="the student every run starts from")
+    parser.add_argument("--same_teacher", default="lab-teacher", help="the teacher of the student's tokenizer")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one torch thread each")
+    parser.add_argument("--smoke", action="store_true", help="tiny other teacher, 2 steps per run (the CI test)")
+    args = parser.parse_args()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    other = build_other_teacher(out / "other", args.same_teacher, args.smoke)
+    print(f"other-tokenizer teacher: {json.dumps(other)}", flush=True)
+    teachers = {"same": args.same_teacher, "cross": str(out / "other" / "teacher")}
+    eval_flags = SMOKE_FLAGS["eval"] if args.smoke else []
+    smoke = [*SMOKE_FLAGS["opd"], *eval_flags] if args.smoke else []
+
+    commands = []  # (command, folder): the evaluations of the base and both teachers, then every arm of every seed
+    for name, model in (("base", args.model_name_or_path), *((f"teacher_{a}", t) for a, t in teachers.items())):
+        commands.append(([sys.executable, str(RECIPES / "eval.py"), "--output_dir", str(out / name),
+                          "--model_name_or_path", model, *eval_flags], out / name))  # fmt: skip
+    for seed in args.seeds:
+        for arm in ARMS:
+            folder = out / f"seed{seed}" / arm
+            commands.append(([sys.executable, str(RECIPES / "opd.py"), "--config", str(CONFIG), "--seed", str(seed),
+                              "--output_dir", str(folder), "--eval_before", "false", "--signal", "reverse_kl",
+                              "--model_name_or_path", args.model_name_or_path,
+                              "--teacher_model_name_or_path", teachers[arm], *smoke], folder))  # fmt: skip
+    todo = [(command, folder) for command, folder in commands if not (folder / "results.json").exists()]
+    for _, folder in todo:
+        folder.mkdir(parents=True, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1" if args.jobs > 1 else "")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda job: run(job[0], job[1] / "log.txt"), todo))
+
+    summary = {"seeds": args.seeds, "teachers": teachers, "other_teacher": other, "scores": {}, "runs": {}}
+    for name in ("base", "teacher_same", "teacher_cross"):
+        scores = json.loads((out / name / "results.json").read_text())["after"]["scores"]
+        summary["scores"][name] = {task: {"mean": scores[task], "values": [scores[task]]} for task in SCORES}
+    for arm in ARMS:
+        results = [json.loads((out / f"seed{s}" / arm / "results.json").read_text()) for s in args.seeds]
+        summary["scores"][arm] = {task: {"mean": statistics.mean(v), "values": v} for task in SCORES
+                                  for v in [[r["after"]["scores"][task] for r in results]]}  # fmt: skip
+        summary["runs"][arm] = {"train_seconds": [r["train_seconds"] for r in results],
+                                **{k: [teacher_kl_ends(out / f"seed{s}" / arm)[k] for s in args.seeds]
+                                   for k in ("teacher_kl_first", "teacher_kl_last", "alignment_exact")}}  # fmt: skip
+    summary["comparisons"] = compare_runs(out, args.seeds, COMPARISONS)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    text = summary_table(summary) + "\n" + comparison_table(summary["comparisons"], args.seeds)
+    (out / "summary.md").write_text(text)
+    print(text)
+
+
+def summary_table(summary: dict) -> str:
+    lines = [f"Seeds {summary['seeds']}; teachers: {summary['teachers']}.", "",
+             "| model | " + " | ".join(SCORES) + " |", "|---" * (len(SCORES) + 1) + "|"]  # fmt: skip
+    for name, scores in summary["scores"].items():
+        lines.append(
+            f"| {name} | " + " | ".join(", ".join(f"{v:.3f}" for v in scores[t]["values"]) for t in SCORES) + " |"
+        )
+    lines += [
+        "",
+        "| arm | train seconds | teacher_kl first | teacher_kl last | alignment/exact |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, run_ in summary["runs"].items():
+        cells = [", ".join("-" if v is None else f"{v:.3f}" for v in run_[k])
+                 for k in ("train_seconds", "teacher_kl_first", "teacher_kl_last", "alignment_exact")]  # fmt: skip
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""recipes/studies/cross_tokenizer_lab.py (issue 45's lab experiment) end to end on test-size models: a tiny teacher of
+the second lab tokenizer, two steps per arm."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "studies" / "cross_tokenizer_lab.py"
+
+
+@pytest.mark.slow
+def test_smoke_runs_both_arms_and_the_cross_arm_reads_another_tokenizer(tmp_path, student_path, math_teacher_path):
+    out = tmp_path / "xt"
+    command = [sys.executable, str(SCRIPT), "--smoke", "--seeds", "0", "--model_name_or_path", str(student_path),
+               "--same_teacher", str(math_teacher_path), "--out", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    other = AutoTokenizer.from_pretrained(out / "other" / "teacher")
+    student = AutoTokenizer.from_pretrained(student_path)
+    # the second lab tokenizer keeps digit runs whole where the student's splits them
+    assert len(student.tokenize("1234")) == 4 and len(other.tokenize("1234")) < 4
+    for arm in ("same", "cross"):
+        results = json.loads((out / "seed0" / arm / "results.json").read_text())
+        assert results["global_steps"] == 2
+        assert summary["scores"][arm]["gsm8k"]["values"] == [results["after"]["scores"]["gsm8k"]]
+    # only the cross arm went through the alignment, and its exact share is a share
+    (same_exact,), (cross_exact,) = (
+        summary["runs"]["same"]["alignment_exact"],
+        summary["runs"]["cross"]["alignment_exact"],
+    )
+    assert same_exact is None and 0.0 <= cross_exact <= 1.0
+    assert summary["teachers"]["cross"] == str(out / "other" / "teacher")
+    labels = {(c["run"], c["reference"]) for c in summary["comparisons"]}
+    assert labels == {("cross", "same"), ("same", "base"), ("cross", "base")}
+    assert "teacher_cross" in (out / "summary.md").read_text()
