@@ -165,6 +165,14 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         assert set(digit_runs) <= set(marked)
         runs += len(digit_runs)
     assert runs > 0
+    # `alignment/exact/numbers`: the exact share among supervised tokens that spell a digit, as the ledger's sequences
+    # (every one sampled here) count it; the student's digits ending inside the teacher's numbers pull it below the rest
+    logged = [e["alignment/exact/numbers"] for e in trainer.state.log_history if "alignment/exact/numbers" in e]
+    for step, share in zip((1, 2), logged, strict=True):
+        flags = [flag for s in samples if s["step"] == step for token, flag in zip(s["tokens"], s["teacher_exact"])
+                 if any(ch.isdigit() for ch in token)]  # fmt: skip
+        assert share == pytest.approx(sum(flags) / len(flags))
+        assert share < exact[step - 1]
 
 
 @pytest.mark.parametrize(

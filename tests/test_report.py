@@ -533,3 +533,31 @@ def test_the_teacher_tokens_plot_reads_each_evaluation_at_the_teacher_tokens_spe
     assert sorted(line.get_label() for line in ax.lines) == ["plain", "skipping"]
     assert [line.get_xdata().tolist() for line in ax.lines if line.get_label() == "plain"] == [[0.0, 200.0, 400.0]]
     assert "teacher_tokens.png" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_the_alignment_plot_draws_the_exact_share_of_all_tokens_and_of_digits_per_step(runs, tmp_path, monkeypatch):
+    """A teacher of another tokenizer: `alignment/exact` (solid) and `alignment/exact/numbers` (dashed) as logged,
+    a step without digits left out of the dashed line; runs that never logged them get no line."""
+    from trl_statelens.reports import plots
+
+    log_history = [
+        {"step": 1, "loss": 1.0, "alignment/exact": 0.9, "alignment/exact/numbers": 0.4},
+        {"step": 2, "loss": 1.0, "alignment/exact": 0.95},
+        {"step": 3, "loss": 1.0, "alignment/exact": 0.8, "alignment/exact/numbers": 0.5},
+    ]
+    cross = write_run(tmp_path / "cross", steps=step_lines(3, sources={"learner": 1.0}), log_history=log_history)
+    figures = {}
+    save = plots.save
+    monkeypatch.setattr(
+        plots, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+    )
+    text = write_report([runs["opd"], cross], tmp_path / "report").read_text()
+    (ax,) = figures["alignment.png"].axes
+    all_tokens, digits = ax.lines
+    assert list(all_tokens.get_xdata()) == [1, 2, 3] and list(all_tokens.get_ydata()) == [0.9, 0.95, 0.8]
+    assert list(digits.get_xdata()) == [1, 3] and list(digits.get_ydata()) == [0.4, 0.5]
+    assert all_tokens.get_label() == "cross: all tokens" and digits.get_linestyle() == "--"
+    assert "](alignment.png)" in text
+    assert_not_blank(tmp_path / "report" / "alignment.png")
+    text = write_report([runs["opd"]], tmp_path / "same").read_text()
+    assert "No plot 'Where a teacher of another tokenizer is exact'" in text

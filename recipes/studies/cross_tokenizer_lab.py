@@ -3,7 +3,7 @@ teacher of another tokenizer on the lab"): reverse-KL OPD of the lab base from t
 the student's tokenizer (`same`), against the same run from a math teacher of a second lab tokenizer (`cross`).
 
     python recipes/studies/cross_tokenizer_lab.py --seeds 0 1 2 --jobs 2 --out runs/cross-tokenizer-lab
-    python recipes/studies/cross_tokenizer_lab.py --smoke --model_name_or_path M --same_teacher T --out /tmp/xt  # the test
+    python recipes/studies/cross_tokenizer_lab.py --smoke --model_name_or_path M --same_teacher T --out /tmp/xt  # test
 
 The second lab tokenizer is trained on the same world with the same vocabulary size, but keeps runs of digits whole
 for its merges to join (the lab's splits digits one by one), so its merges differ too. Its teacher is built as the
@@ -14,7 +14,8 @@ teacher's, 100 more steps on fresh problems, 600 steps at most. Both are cached 
 Then per seed both arms: `recipes/opd.py` with the lab config (`opd.yaml`: 75 steps of 32 rollouts, lr 3e-4) and
 `--signal reverse_kl` (the signal a teacher of another tokenizer supports). `summary.json` and `summary.md` in
 `--out`: scores over seeds, paired comparisons with 95% bootstrap intervals over test problems (study_lab.py's), both
-teachers' own scores, the cross arm's `alignment/exact`, and `teacher_kl/sampled` at the first and last steps.
+teachers' own scores, the cross arm's `alignment/exact` (all tokens and digits), and `teacher_kl/sampled` at the first
+and last steps.
 """
 
 import argparse
@@ -39,6 +40,7 @@ COMPARISONS = [
 TEACHER_STEPS, MORE_STEPS, MAX_TEACHER_STEPS = 300, 100, 600  # `build_teacher`'s 300 steps of 16, lr 5e-4
 MATCH_BY = 0.05
 EDGE_STEPS = 5  # teacher_kl "first" and "last": the mean over this many steps at each end
+RUN_COLUMNS = ("teacher_kl_first", "teacher_kl_last", "alignment_exact", "alignment_exact_numbers")
 
 
 def build_other_teacher(out: Path, same_teacher: str, smoke: bool) -> dict:
@@ -83,12 +85,15 @@ def build_other_teacher(out: Path, same_teacher: str, smoke: bool) -> dict:
 
 
 def teacher_kl_ends(run_dir: Path) -> dict:
-    """`teacher_kl/sampled` over the first and the last `EDGE_STEPS` logged steps, and the mean `alignment/exact`."""
+    """`teacher_kl/sampled` over the first and the last `EDGE_STEPS` logged steps, and the mean exact shares."""
     history = [e for e in json.loads((run_dir / "log_history.json").read_text()) if "teacher_kl/sampled" in e]
     kl = [e["teacher_kl/sampled"] for e in history]
-    exact = [e["alignment/exact"] for e in history if "alignment/exact" in e]
+    shares = {}
+    for key in ("alignment/exact", "alignment/exact/numbers"):
+        logged = [e[key] for e in history if key in e]
+        shares[key.replace("/", "_")] = float(np.mean(logged)) if logged else None
     return {"teacher_kl_first": float(np.mean(kl[:EDGE_STEPS])), "teacher_kl_last": float(np.mean(kl[-EDGE_STEPS:])),
-            "alignment_exact": float(np.mean(exact)) if exact else None}  # fmt: skip
+            **shares}  # fmt: skip
 
 
 def main():
@@ -136,7 +141,7 @@ def main():
                                   for v in [[r["after"]["scores"][task] for r in results]]}  # fmt: skip
         summary["runs"][arm] = {"train_seconds": [r["train_seconds"] for r in results],
                                 **{k: [teacher_kl_ends(out / f"seed{s}" / arm)[k] for s in args.seeds]
-                                   for k in ("teacher_kl_first", "teacher_kl_last", "alignment_exact")}}  # fmt: skip
+                                   for k in RUN_COLUMNS}}  # fmt: skip
     summary["comparisons"] = compare_runs(out, args.seeds, COMPARISONS)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     text = summary_table(summary) + "\n" + comparison_table(summary["comparisons"], args.seeds)
@@ -153,12 +158,12 @@ def summary_table(summary: dict) -> str:
         )
     lines += [
         "",
-        "| arm | train seconds | teacher_kl first | teacher_kl last | alignment/exact |",
-        "|---|---|---|---|---|",
+        "| arm | train seconds | teacher_kl first | teacher_kl last | alignment/exact | alignment/exact/numbers |",
+        "|---|---|---|---|---|---|",
     ]
     for arm, run_ in summary["runs"].items():
         cells = [", ".join("-" if v is None else f"{v:.3f}" for v in run_[k])
-                 for k in ("train_seconds", "teacher_kl_first", "teacher_kl_last", "alignment_exact")]  # fmt: skip
+                 for k in ("train_seconds", *RUN_COLUMNS)]  # fmt: skip
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -179,8 +179,17 @@ class LossMixin:
         if self.teacher_cache is not None and self.model.training:  # the staleness of the batch trained on
             self.teacher_cache.observe(inputs, logps)
         scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
+        numbers = None if signal is None else self.teacher.number_tokens.to(completion_ids.device)[completion_ids]
         self._log_teacher_metrics(
-            compared_logps, teacher_logps, entropies, scored, loss_mask, token_source, inputs["teacher"], signal
+            compared_logps,
+            teacher_logps,
+            entropies,
+            scored,
+            loss_mask,
+            token_source,
+            inputs["teacher"],
+            signal,
+            numbers,
         )
         if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
             # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
@@ -256,21 +265,32 @@ class LossMixin:
                 logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
         return out.loss, logps, entropies, out.teacher_logps, aux_loss
 
-    def _log_teacher_metrics(self, logps, teacher_logps, entropies, scored, loss_mask, token_source, teachers, signal):
+    def _log_teacher_metrics(
+        self, logps, teacher_logps, entropies, scored, loss_mask, token_source, teachers, signal, numbers=None
+    ):
         """`teacher_kl/sampled` (the sampled reverse KL `log p_S - log p_T`, a one-sample estimate of KL(p_S || p_T))
         and `teacher_nll`, means over every completion token the student sampled itself (supervised or not) in the
         rows the teacher scored (`scored`: the completion mask, less the rows state selection skipped); with
         several teachers, `teacher_kl/sampled/<name>` per teacher too (each row's `teachers` entry). Supervised
         tokens per teacher are counted per optimizer step by the state records (`StateLoggingCallback`). From a
         teacher of another tokenizer (`signal`), `alignment/exact`: the share of supervised tokens whose teacher
-        log-prob is exact (the rest are in chunks: `teachers/alignment.py`). One all-reduce for all of them."""
+        log-prob is exact (the rest are in chunks: `teachers/alignment.py`), and `alignment/exact/numbers` the same
+        among supervised tokens that spell a digit (`numbers`: per token, whether it does), where two tokenizers most
+        often split differently. One all-reduce for all of them."""
         mode = "train" if self.model.training else "eval"
         sampled = scored & (token_source == LEARNER)
         if self.args.signal == "continuation":
             sampled &= ~loss_mask.bool()  # the student's own prefix; the rest was written by the teacher
         kl = (logps - teacher_logps) * sampled
         # every rank has the same teacher, so the same entries: none, or the exact supervised tokens
-        exact = [] if signal is None else [((signal == TeacherSignal.EXACT) & loss_mask.bool()).sum().float()]
+        exact = []
+        if signal is not None:
+            exact_supervised, number_supervised = (
+                (signal == TeacherSignal.EXACT) & loss_mask.bool(),
+                numbers & loss_mask.bool(),
+            )
+            exact = [exact_supervised.sum(), (exact_supervised & numbers).sum(), number_supervised.sum()]
+            exact = [count.float() for count in exact]
         per_teacher = []
         for name in self.teacher.names:
             rows = torch.tensor([t == name for t in teachers], device=kl.device)[:, None]
@@ -290,6 +310,8 @@ class LossMixin:
         kl_sum, nll_sum, count, entropy_sum, supervised = totals[:5]
         if exact and supervised > 0:
             self._metrics[mode]["alignment/exact"].append(totals[5] / supervised)
+        if exact and totals[7] > 0:
+            self._metrics[mode]["alignment/exact/numbers"].append(totals[6] / totals[7])
         first = 5 + len(exact)
         for i, name in enumerate(self.teacher.names):
             teacher_kl_sum, teacher_count = totals[first + 2 * i : first + 2 + 2 * i]

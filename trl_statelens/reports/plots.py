@@ -164,6 +164,31 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
     return save(figure, out_dir, "teacher_kl.png")
 
 
+def plot_alignment(runs, styles, out_dir) -> Path | None:
+    """From a teacher of another tokenizer, per step: the share of supervised tokens whose teacher log-prob is exact
+    (`alignment/exact`, solid) and the same among tokens that spell a digit (`alignment/exact/numbers`, dashed)."""
+    logged = {
+        run.label: entries for run in runs if (entries := [e for e in run.log_history or [] if "alignment/exact" in e])
+    }
+    if not logged:
+        return None
+    figure, (ax,) = new_figure()
+    for label, entries in logged.items():
+        steps = np.array([e["step"] for e in entries])
+        for key, line, kind in (("alignment/exact", "-", "all tokens"), ("alignment/exact/numbers", "--", "digits")):
+            values = np.array([e.get(key, np.nan) for e in entries], dtype=float)
+            keep = np.isfinite(values)
+            style = styles[label]
+            ax.plot(steps[keep], values[keep], color=style["color"], linestyle=line, marker=style["marker"],
+                    markersize=3, label=f"{label}: {kind}")  # fmt: skip
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("share of supervised tokens")
+    ax.set_title("Teacher of another tokenizer: where its log-probs are exact")
+    finish_legend(ax)
+    return save(figure, out_dir, "alignment.png")
+
+
 def plot_teachers(runs, styles, out_dir) -> Path | None:
     """Per teacher of each run with several: teacher_kl and supervised tokens over steps (colour: the run; line
     style: the teacher)."""
@@ -391,6 +416,11 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "Teacher KL over steps",
             lambda: plot_teacher_kl(runs, styles, out_dir),
             "no run logged `teacher_kl/sampled` (only on-policy distillation runs do)",
+        ),
+        (
+            "Where a teacher of another tokenizer is exact",
+            lambda: plot_alignment(runs, styles, out_dir),
+            "no run logged `alignment/exact` (a teacher whose tokenizer differs from the student's)",
         ),
         (
             "Teacher KL and supervised tokens per teacher",

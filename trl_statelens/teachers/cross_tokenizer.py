@@ -51,6 +51,13 @@ class CrossTokenizerTeacher(InProcessTeacher):
         self.student_vocab = byte_vocabulary(trainer._tokenizer, "the student's")
         self.teacher_vocab = byte_vocabulary(tokenizer)
         self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
+        # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
+        self.number_tokens = torch.tensor(
+            [
+                spelled is not None and any(48 <= byte <= 57 for byte in spelled)
+                for spelled in self.student_vocab.token_bytes
+            ]
+        )
         self.pad_id = next(
             i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
         )  # rows are padded with the teacher's own ids
