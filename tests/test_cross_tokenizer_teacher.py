@@ -13,6 +13,7 @@ from launching import free_port, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens.opd import trainer as opd_trainer
 from trl_statelens.lab import LabWorld, build_model, build_tokenizer
 from trl_statelens.reports.states_data import sequence_entry
 from trl_statelens.teachers import CrossTokenizerTeacher, InProcessTeacher
@@ -183,14 +184,42 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         ({"state_source_mix": {"learner": 0.5, "teacher": 0.5}}, "teacher-written states"),
     ],
 )
-def test_what_a_teacher_of_another_tokenizer_cannot_do_yet_is_refused(
-    tmp_path, student_path, other_teacher_path, math_dataset, kwargs, message
+def test_what_a_teacher_of_another_tokenizer_cannot_do_yet_is_refused_before_any_model_loads(
+    tmp_path, student_path, other_teacher_path, math_dataset, kwargs, message, monkeypatch
 ):
+    monkeypatch.setattr(opd_trainer, "load_teacher", lambda *a: pytest.fail("the teacher loaded before the refusal"))
     with pytest.raises(ValueError, match=message):
         OnPolicyDistillTrainer(
             model=str(student_path),
             teacher_model=str(other_teacher_path),
             args=opd_config(tmp_path, **kwargs),
+            train_dataset=math_dataset,
+        )
+
+
+def test_a_teacher_tokenizer_that_cannot_spell_its_tokens_in_bytes_is_refused_before_any_model_loads(
+    tmp_path, student_path, math_dataset, monkeypatch
+):
+    """A WordPiece tokenizer (no byte alphabet, no byte fallback) saved where the teacher's path points, with no model
+    beside it: the refusal names the tokenizer kind, and nothing was loaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.train_from_iterator(
+        ["twelve apples cost 3 dollars"] * 4, trainers.WordPieceTrainer(special_tokens=["[UNK]"])
+    )
+    teacher_path = tmp_path / "wordpiece-teacher"
+    PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]", eos_token="[UNK]").save_pretrained(
+        teacher_path
+    )
+    monkeypatch.setattr(opd_trainer, "load_teacher", lambda *a: pytest.fail("the teacher loaded before the refusal"))
+    with pytest.raises(ValueError, match="cannot give its tokens bytes"):
+        OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=str(teacher_path),
+            args=opd_config(tmp_path, signal="reverse_kl"),
             train_dataset=math_dataset,
         )
 

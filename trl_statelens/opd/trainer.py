@@ -27,8 +27,10 @@ from ..teachers import (
     SelfTeacher,
     ServedTeacher,
     TeacherRouter,
+    check_before_loading,
     load_teacher,
     load_teachers,
+    read_tokenizer,
     teacher_in_process,
 )
 from ..trainers.grpo import StateLensGRPOTrainer
@@ -174,6 +176,10 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             )
         elif isinstance(teacher_model, str):
             teacher_path = teacher_model
+            student_tokenizer = getattr(processing_class, "tokenizer", processing_class)  # (a processor holds one)
+            if student_tokenizer is None and isinstance(model, str):
+                student_tokenizer = read_tokenizer(model)
+            check_before_loading(args, student_tokenizer, teacher_path)
             teacher_model = load_teacher(teacher_model, args)
         else:
             teacher_path = None

@@ -39,13 +39,14 @@ each row to its own teacher, and a self teacher is handed its own prompts in pla
 """
 
 from .base import ResolvedScores, RowScores, Teacher, TeacherRow, answered, resolve_rows, resolved_signal
-from .cross_tokenizer import CrossTokenizerTeacher, teacher_in_process
+from .cross_tokenizer import CrossTokenizerTeacher, check_before_loading, teacher_in_process
 from .in_process import InProcessTeacher
 from .loading import connect_served_teacher, load_teacher, load_teachers, without_zero3_init
 from .router import TeacherRouter
 from .self_teacher import SelfTeacher
 from .served import ServedTeacher
 from .server_client import TeacherServerClient, TeacherServerError, client_without_local_vllm
+from .vocabulary import read_tokenizer
 
 __all__ = [
     "CrossTokenizerTeacher",
@@ -60,10 +61,12 @@ __all__ = [
     "TeacherServerClient",
     "TeacherServerError",
     "answered",
+    "check_before_loading",
     "client_without_local_vllm",
     "connect_served_teacher",
     "load_teacher",
     "load_teachers",
+    "read_tokenizer",
     "resolve_rows",
     "resolved_signal",
     "teacher_in_process",

@@ -33,6 +33,40 @@ def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
     return CrossTokenizerTeacher.prepared(trainer, model, teacher_tokenizer)
 
 
+def refuse_unsupported(args, name: str) -> None:
+    """What a teacher of another tokenizer (`name`, for the message) cannot do yet, refused with the way out."""
+    if args.signal != "reverse_kl":
+        raise ValueError(
+            f"the teacher's tokenizer ({name}) differs from the student's, and signal={args.signal!r} is not yet "
+            "carried across tokenizers: use signal='reverse_kl' (the teacher's log-prob of each student token, "
+            "exact where the tokenizations allow; docs/cross-tokenizer.md), or a teacher of the student's tokenizer"
+        )
+    if args.state_source_mix.get("teacher", 0.0) or args.state_source_mix.get("mixed", 0.0):
+        raise ValueError(
+            f"the teacher's tokenizer ({name}) differs from the student's: teacher-written states (state_source_mix "
+            f"{args.state_source_mix}) would need its text tokenized for the student, which is not yet done; use "
+            "learner states only"
+        )
+
+
+def check_before_loading(args, student_tokenizer, path: str) -> None:
+    """Before any model loads (Gemma 3 270M takes over a minute on 2 cores): if the tokenizer saved at the teacher's
+    `path` differs from `student_tokenizer` (`None`: not known yet, nothing checked), the settings it cannot serve,
+    tokenizers that cannot spell their tokens in bytes, and a student end-of-sequence token with no counterpart by
+    role are refused, as `CrossTokenizerTeacher.prepared` would refuse them after loading."""
+    teacher_tokenizer = read_tokenizer(path)
+    if student_tokenizer is None or teacher_tokenizer is None:
+        return
+    if token_id_mismatch(student_tokenizer, teacher_tokenizer, path) is None:
+        return
+    refuse_unsupported(args, path)
+    student_vocab = byte_vocabulary(student_tokenizer, "the student's")
+    teacher_vocab = byte_vocabulary(teacher_tokenizer)
+    specials = special_token_map(student_vocab, teacher_vocab)
+    if student_tokenizer.eos_token_id is not None and student_tokenizer.eos_token_id not in specials:
+        raise ValueError(unmapped_special_message(student_vocab, teacher_vocab, student_tokenizer.eos_token_id))
+
+
 class CrossTokenizerTeacher(InProcessTeacher):
     """An in-process teacher whose tokenizer differs from the student's (see the module docstring).
 
@@ -70,21 +104,10 @@ class CrossTokenizerTeacher(InProcessTeacher):
 
     @classmethod
     def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
-        """Checked before any model work: the signal and settings this teacher supports, both tokenizers' bytes, and
-        that the student's end-of-sequence tokens have counterparts by role."""
-        args, name = trainer.args, getattr(tokenizer, "name_or_path", "the teacher's")
-        if args.signal != "reverse_kl":
-            raise ValueError(
-                f"the teacher's tokenizer ({name}) differs from the student's, and signal={args.signal!r} is not yet "
-                "carried across tokenizers: use signal='reverse_kl' (the teacher's log-prob of each student token, "
-                "exact where the tokenizations allow; docs/cross-tokenizer.md), or a teacher of the student's tokenizer"
-            )
-        if args.state_source_mix.get("teacher", 0.0) or args.state_source_mix.get("mixed", 0.0):
-            raise ValueError(
-                f"the teacher's tokenizer ({name}) differs from the student's: teacher-written states (state_source_mix "
-                f"{args.state_source_mix}) would need its text tokenized for the student, which is not yet done; use "
-                "learner states only"
-            )
+        """Checked before any model work (`refuse_unsupported`, again: a teacher given as a path was checked before it
+        loaded, by `check_before_loading`), then made; the student's end-of-sequence tokens, generation config's
+        included, must have counterparts by role."""
+        refuse_unsupported(trainer.args, getattr(tokenizer, "name_or_path", "the teacher's"))
         teacher = cls(trainer, prepare_teacher_model(trainer, model, same_vocabulary=False), tokenizer)
         for token_id in trainer.eos_token_ids:
             if token_id not in teacher.specials:
