@@ -13,8 +13,8 @@ from launching import free_port, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
-from trl_statelens.opd import trainer as opd_trainer
 from trl_statelens.lab import LabWorld, build_model, build_tokenizer
+from trl_statelens.opd import trainer as opd_trainer
 from trl_statelens.reports.states_data import sequence_entry
 from trl_statelens.teachers import CrossTokenizerTeacher, InProcessTeacher
 from trl_statelens.teachers.alignment import (
@@ -248,3 +248,77 @@ def test_alignment_share_is_summed_over_two_ranks(tmp_path, math_trained_path, o
         exact = sum(rank["counts"][step][0] for rank in ranks)
         total = sum(rank["counts"][step][1] for rank in ranks)
         assert logged[step] == pytest.approx(exact / total)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_routed_teachers_of_two_tokenizers_on_two_ranks(
+    tmp_path, math_trained_path, math_teacher_path, other_teacher_path
+):
+    """A router with a teacher of the student's tokenizer and one of another, on two DDP ranks: a step where one rank
+    holds only the same-tokenizer teacher's rows still sums the alignment over both (every rank counts it, because
+    the teachers, not the rows, decide), and training goes on."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(Path(__file__).parent / "scripts" / "opd_cross_tokenizer_two_ranks.py"), str(math_trained_path),
+        str(other_teacher_path), str(tmp_path), str(math_teacher_path),
+    ]  # fmt: skip
+    launch(command, {"TOKENIZERS_PARALLELISM": "false"}, timeout=300, outputs=tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:
+        assert (rank["world_size"], rank["backend"], rank["teacher"]) == (2, "gloo", "TeacherRouter")
+        assert len(rank["counts"]) == 2
+    # what ran: at some step one rank held only the same-tokenizer teacher's rows and the other the other teacher's
+    assert any({*ranks[0]["teachers"][s]} != {*ranks[1]["teachers"][s]} for s in range(2))
+    logged = [e["alignment/exact"] for e in ranks[0]["log_history"] if "alignment/exact" in e]
+    assert len(logged) == 2
+    for step in range(2):
+        exact = sum(rank["counts"][step][0] for rank in ranks)
+        total = sum(rank["counts"][step][1] for rank in ranks)
+        assert logged[step] == pytest.approx(exact / total)
+
+
+def test_routed_teachers_of_two_tokenizers_each_score_their_own_rows(
+    tmp_path, math_trained_path, math_teacher_path, other_teacher_path, math_dataset
+):
+    """Two routed teachers, one of the student's tokenizer and one of another: each row is read in its teacher's
+    tokens and scored as that teacher alone scores it; the same-tokenizer rows are exact throughout, the others chunk
+    the student's digits; a step trains and logs the alignment and each teacher's KL."""
+    from trl_statelens.teachers import TeacherRouter, resolve_rows, resolved_signal
+
+    dataset = math_dataset.add_column("teacher_id", ["math", "other"] * (len(math_dataset) // 2))
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model={"math": str(math_teacher_path), "other": str(other_teacher_path)},
+        args=opd_config(tmp_path, max_steps=2, per_device_train_batch_size=8, signal="reverse_kl"),
+        train_dataset=dataset,
+    )
+    router = trainer.teacher
+    assert isinstance(router, TeacherRouter) and router.crosses_tokenizers and not router.reads_student_ids
+    assert isinstance(router.teachers["other"], CrossTokenizerTeacher)
+    assert not isinstance(router.teachers["math"], CrossTokenizerTeacher)
+    rows = [dict(row) for row in dataset.select(range(4)) for _ in range(2)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    assert batch["teacher"] == ["math", "math", "other", "other"] * 2
+    ids, mask = batch["completion_ids"], batch["completion_mask"]
+    logps = resolve_rows(batch["teacher_scores"], ids, mask).logps
+    signal = resolved_signal(batch["teacher_scores"], ids)
+    prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    completions = [c[m.bool()].tolist() for c, m in zip(ids, mask)]
+    for name, teacher in router.teachers.items():
+        mine = [i for i, routed in enumerate(batch["teacher"]) if routed == name]
+        own_prompts = teacher.prompts([prompts[i] for i in mine], [rows[i] for i in mine])
+        alone = resolve_rows(teacher.score(own_prompts, [completions[i] for i in mine]), ids[mine], mask[mine])
+        torch.testing.assert_close(logps[mine], alone.logps, atol=1e-5, rtol=1e-5)
+    math_rows = [i for i, routed in enumerate(batch["teacher"]) if routed == "math"]
+    other_rows = [i for i, routed in enumerate(batch["teacher"]) if routed == "other"]
+    assert (signal[math_rows] == TeacherSignal.EXACT).all()
+    assert (signal[other_rows][mask[other_rows].bool()] != TeacherSignal.EXACT).any()
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "alignment/exact" in e]
+    shares = [e["alignment/exact"] for e in logged]  # (a step whose routed rows wrote no number can be all exact)
+    assert len(shares) == 2 and all(0.0 < share <= 1.0 for share in shares) and min(shares) < 1.0
+    assert all("teacher_kl/sampled/math" in e and "teacher_kl/sampled/other" in e for e in logged)

@@ -1,11 +1,12 @@
 """On-policy distillation from a teacher of another tokenizer on two DDP ranks, launched by
 tests/test_cross_tokenizer_teacher.py with `accelerate launch --multi_gpu --num_processes 2`.
 
-Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_ranks.py STUDENT TEACHER OUT
+Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_ranks.py STUDENT TEACHER OUT [SAME]
 
 Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, the teacher's class) and the exact and
-supervised tokens of its own rows per step, counted from its batches; the trainer's `alignment/exact` is summed over
-both ranks.
+supervised tokens of its own rows per step, counted from its batches, with the teacher of each row; the trainer's
+`alignment/exact` is summed over both ranks. With SAME (a teacher of the student's tokenizer), the two are routed:
+prompts alternate between `same` and `other` (TEACHER), so a rank can hold only same-tokenizer rows at a step.
 """
 
 import json
@@ -29,11 +30,14 @@ from trl_statelens.teachers.alignment import TeacherSignal  # noqa: E402
 
 torch.set_num_threads(1)
 student_path, teacher_path, output_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+same_path = sys.argv[4] if len(sys.argv) > 4 else None
 rows = LabWorld(seed=0).math("train", n=16)
 dataset = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in rows])
+if same_path is not None:
+    dataset = dataset.add_column("teacher_id", ["same", "other"] * 8)
 trainer = OnPolicyDistillTrainer(
     model=student_path,
-    teacher_model=teacher_path,
+    teacher_model=teacher_path if same_path is None else {"same": same_path, "other": teacher_path},
     args=OnPolicyDistillConfig(
         output_dir=str(output_dir),
         max_steps=2,
@@ -47,7 +51,7 @@ trainer = OnPolicyDistillTrainer(
     train_dataset=dataset,
     callbacks=[StateLoggingCallback(sample_rate=1.0)],
 )
-counts = []  # per step on this rank: (exact supervised tokens, supervised tokens)
+counts, teachers = [], []  # per step on this rank: (exact supervised tokens, supervised tokens); rows' teachers
 compute_loss = trainer._compute_loss
 
 
@@ -56,6 +60,7 @@ def counting_loss(model, inputs):
         signal = resolved_signal(inputs["teacher_scores"], inputs["completion_ids"])
         supervised = inputs["completion_mask"].bool()
         counts.append([int(((signal == TeacherSignal.EXACT) & supervised).sum()), int(supervised.sum())])
+        teachers.append(inputs["teacher"])
     return compute_loss(model, inputs)
 
 
@@ -67,6 +72,7 @@ report = {
     "backend": str(getattr(accelerator.state, "backend", "")),
     "teacher": type(trainer.teacher).__name__,
     "counts": counts,
+    "teachers": teachers,
     "log_history": trainer.state.log_history,
 }
 (output_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))

@@ -153,7 +153,8 @@ class LossMixin:
             )
             self._loss_logps_and_entropies = None  # recorded below, with per-token sources and teacher log-probs
             teacher_logps = self._resolve_teacher_logps(inputs)  # waits here for a served teacher's answer
-            signal = resolved_signal(inputs["teacher_scores"], completion_ids)  # None: the student's tokenizer
+            if self.teacher.crosses_tokenizers:  # (decided by the teachers, not the rows: the same on every rank)
+                signal = resolved_signal(inputs["teacher_scores"], completion_ids)
             compared_logps = logps.detach()
             if signal is not None:  # a teacher of another tokenizer: compared chunk by chunk (teachers/alignment.py)
                 compared_logps = chunk_totals(compared_logps, signal)

@@ -47,6 +47,13 @@ SOURCE_RNG_FILE = "statelens_source_rng_{rank}.pth"  # in each checkpoint, one p
 TEACHER_GENERATION_COUNTS = ("teacher_generation_prompt_tokens", "teacher_written_tokens")
 
 
+def _student_tokenizer(model, processing_class):
+    """The student's tokenizer before anything loads: the one given (a processor holds one), else the one saved at the
+    student's path; `None` if neither is known yet."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    return read_tokenizer(model) if tokenizer is None and isinstance(model, str) else tokenizer
+
+
 class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
     """On-policy distillation: the student samples rollouts and a frozen teacher supervises the student's own states.
 
@@ -160,6 +167,13 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                     "teacher_model_server_url serves a single teacher: with several teachers, give each served one's "
                     "URL as its value in the teacher_model dict"
                 )
+            student_tokenizer = _student_tokenizer(model, processing_class)
+            for name, teacher in teacher_model.items():
+                if isinstance(teacher, str) and not teacher.startswith(("http://", "https://")):
+                    try:
+                        check_before_loading(args, student_tokenizer, teacher)
+                    except ValueError as error:
+                        raise ValueError(f"teacher {name!r}: {error}") from error
             loaded_teachers = load_teachers(teacher_model, args)
         elif args.teacher_model_server_url is not None:
             if not (teacher_model is None or isinstance(teacher_model, str)):
@@ -176,10 +190,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             )
         elif isinstance(teacher_model, str):
             teacher_path = teacher_model
-            student_tokenizer = getattr(processing_class, "tokenizer", processing_class)  # (a processor holds one)
-            if student_tokenizer is None and isinstance(model, str):
-                student_tokenizer = read_tokenizer(model)
-            check_before_loading(args, student_tokenizer, teacher_path)
+            check_before_loading(args, _student_tokenizer(model, processing_class), teacher_path)
             teacher_model = load_teacher(teacher_model, args)
         else:
             teacher_path = None

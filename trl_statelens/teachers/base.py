@@ -122,16 +122,15 @@ def resolve_rows(
     return ResolvedScores(logps, top_ids, top_logps.masked_fill(~mask[..., None], float("-inf")))
 
 
-def resolved_signal(rows: list[TeacherRow], completion_ids: torch.Tensor) -> torch.Tensor | None:
+def resolved_signal(rows: list[TeacherRow], completion_ids: torch.Tensor) -> torch.Tensor:
     """How a teacher of another tokenizer carried each completion token's log-prob over (`alignment.TeacherSignal`
-    `(B, T)`, `EXACT` on padding), or `None` for a teacher of the student's tokenizer. Read after [`resolve_rows`]
-    (the answers are in: no wait, no collective)."""
+    `(B, T)`, `EXACT` on padding and on the rows of a routed teacher of the student's tokenizer). Read after
+    [`resolve_rows`] (the answers are in: no wait, no collective)."""
     scores = [row.scores.result()[row.index] for row in rows]
-    if not scores or scores[0].signal is None:
-        return None
     signal = torch.zeros(completion_ids.shape, dtype=torch.long, device=completion_ids.device)  # 0: EXACT
     for i, row in enumerate(scores):
-        signal[i, : row.signal.size(0)] = row.signal.to(completion_ids.device)
+        if row.signal is not None:
+            signal[i, : row.signal.size(0)] = row.signal.to(completion_ids.device)
     return signal
 
 
@@ -166,6 +165,7 @@ class Teacher:
     names: tuple[str, ...] = ()  # the teachers a [`TeacherRouter`] sends rows to; none for a single teacher
     reads_own_prompts: bool = False  # its prompts differ from the student's (recorded in the ledger)
     reads_student_ids: bool = True  # False for a teacher of another tokenizer, which reads text (no probe teacher)
+    crosses_tokenizers: bool = False  # a teacher of another tokenizer (or a router with one): its rows carry `signal`
 
     def prompts(self, student_prompts: list[list[int]], rows: list[dict]) -> list[list[int]]:
         """The prompt this teacher reads for each row (`rows`: the dataset rows, one per rollout), given the

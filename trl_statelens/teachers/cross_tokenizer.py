@@ -10,7 +10,8 @@ each chunk with the teacher's and gives every token of the chunk the chunk's adv
 
 Only `reverse_kl` for now: `continuation` (the teacher's text tokenized for the student) and `divergence` (the
 teacher's distribution carried by [`alignment.map_next_token_distribution`]) are refused, as are teacher-written
-states, several teachers and a served teacher of another tokenizer.
+states and a served teacher of another tokenizer. Several routed teachers may include such teachers
+([`TeacherRouter`]: each row is read in its own teacher's tokens).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class CrossTokenizerTeacher(InProcessTeacher):
     """
 
     reads_student_ids = False
+    crosses_tokenizers = True
 
     def __init__(self, trainer, model, tokenizer):
         super().__init__(trainer, model)

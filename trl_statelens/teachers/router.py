@@ -8,7 +8,7 @@ import torch
 
 from ..heads import Divergence
 from .base import Teacher
-from .in_process import InProcessTeacher
+from .cross_tokenizer import teacher_in_process
 from .served import ServedTeacher
 
 
@@ -25,6 +25,12 @@ class TeacherRouter(Teacher):
 
     def __init__(self, teachers: dict[str, Teacher], default: str):
         self.teachers, self.default, self.names = teachers, default, tuple(teachers)
+        # In-process teachers of another tokenizer may be among them: their rows' prompts are their own, and the
+        # loss reads every row's signal (exact for the others) whenever one is, on every rank alike
+        self.reads_student_ids = all(teacher.reads_student_ids for teacher in teachers.values())
+        self.crosses_tokenizers = any(teacher.crosses_tokenizers for teacher in teachers.values())
+        crossing = [teacher for teacher in teachers.values() if teacher.crosses_tokenizers]
+        self.number_tokens = crossing[0].number_tokens if crossing else None
 
     @classmethod
     def connect(cls, trainer, loaded: dict[str, tuple]) -> TeacherRouter:
@@ -36,7 +42,7 @@ class TeacherRouter(Teacher):
                 if url is not None:
                     teachers[name] = ServedTeacher.connect(trainer, path, url)
                 else:
-                    teachers[name] = InProcessTeacher.prepared(trainer, model, path)
+                    teachers[name] = teacher_in_process(trainer, model, path)
             except ValueError as error:
                 raise ValueError(f"teacher {name!r}: {error}") from error
         return cls(teachers, default=next(iter(teachers)))
@@ -47,6 +53,18 @@ class TeacherRouter(Teacher):
         if unknown:
             raise ValueError(f"teacher_id {unknown} names no teacher; the teachers are {list(self.names)}")
         return names
+
+    def prompts(self, student_prompts, rows):
+        """Each row's prompt as its own teacher reads it (a teacher of another tokenizer: in its tokens)."""
+        names = self.route([row.get("teacher_id") for row in rows])
+        prompts = list(student_prompts)
+        for name, teacher in self.teachers.items():
+            mine = [i for i, routed in enumerate(names) if routed == name]
+            if mine:
+                answers = teacher.prompts([student_prompts[i] for i in mine], [rows[i] for i in mine])
+                for i, prompt in zip(mine, answers, strict=True):
+                    prompts[i] = prompt
+        return prompts
 
     @contextmanager
     def session(self):
