@@ -322,3 +322,48 @@ def test_routed_teachers_of_two_tokenizers_each_score_their_own_rows(
     shares = [e["alignment/exact"] for e in logged]  # (a step whose routed rows wrote no number can be all exact)
     assert len(shares) == 2 and all(0.0 < share <= 1.0 for share in shares) and min(shares) < 1.0
     assert all("teacher_kl/sampled/math" in e and "teacher_kl/sampled/other" in e for e in logged)
+
+
+def test_a_served_teacher_of_another_tokenizer_scores_as_the_same_teacher_in_process(
+    tmp_path, math_trained_path, other_teacher_path, math_dataset
+):
+    """The other-tokenizer teacher behind a (test) vLLM server, named by its path for its tokenizer: the rows it
+    scores carry the same log-probs and signal onto the student's tokens as the same model in the process does, and
+    training runs with the alignment logged."""
+    from vllm_test_server import TestTeacherServer
+
+    from trl_statelens.teachers import ServedCrossTokenizerTeacher, resolve_rows, resolved_signal
+
+    with TestTeacherServer(other_teacher_path) as server:
+        trainer = OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(other_teacher_path),
+            args=opd_config(tmp_path, max_steps=2, teacher_model_server_url=server.url),
+            train_dataset=math_dataset,
+        )
+        served = trainer.teacher
+        assert isinstance(served, ServedCrossTokenizerTeacher) and trainer.teacher_model is None
+        rows = [dict(row) for row in math_dataset.select(range(2)) for _ in range(2)]
+        trainer.model.train()
+        batch = trainer._generate_and_score_completions(rows)
+        ids, mask = batch["completion_ids"], batch["completion_mask"]
+        prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        completions = [c[m.bool()].tolist() for c, m in zip(ids, mask)]
+        assert served.prompts(prompts, rows) != prompts  # the server reads the teacher's tokens
+        in_process = CrossTokenizerTeacher.prepared(
+            trainer,
+            AutoModelForCausalLM.from_pretrained(other_teacher_path),
+            AutoTokenizer.from_pretrained(other_teacher_path),
+        )
+        alone = in_process.score(in_process.prompts(prompts, rows), completions)
+        torch.testing.assert_close(
+            resolve_rows(batch["teacher_scores"], ids, mask).logps,
+            resolve_rows(alone, ids, mask).logps,
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        signal = resolved_signal(batch["teacher_scores"], ids)
+        assert torch.equal(signal, resolved_signal(alone, ids)) and (signal[mask.bool()] != TeacherSignal.EXACT).any()
+        trainer.train()
+    shares = [e["alignment/exact"] for e in trainer.state.log_history if "alignment/exact" in e]
+    assert len(shares) == 2 and all(0.0 < share <= 1.0 for share in shares)

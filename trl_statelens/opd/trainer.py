@@ -25,12 +25,12 @@ from .. import collective
 from ..lens.step_counts import StepCounts
 from ..teachers import (
     SelfTeacher,
-    ServedTeacher,
     TeacherRouter,
     check_before_loading,
     load_teacher,
     load_teachers,
     read_tokenizer,
+    served_teacher,
     teacher_in_process,
 )
 from ..trainers.grpo import StateLensGRPOTrainer
@@ -183,6 +183,8 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                     "(its weights are not loaded)"
                 )
             teacher_path, teacher_model = teacher_model, None
+            if teacher_path is not None:
+                check_before_loading(args, _student_tokenizer(model, processing_class), teacher_path)
         elif teacher_model is None:
             raise ValueError(
                 "OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id), or the address of a "
@@ -228,7 +230,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         elif isinstance(teacher_model, dict):
             self.teacher = TeacherRouter.connect(self, loaded_teachers)
         elif args.teacher_model_server_url is not None:
-            self.teacher = ServedTeacher.connect(self, teacher_path)
+            self.teacher = served_teacher(self, teacher_path)
         else:
             self.teacher = teacher_in_process(self, teacher_model, teacher_path)
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a

@@ -39,7 +39,13 @@ each row to its own teacher, and a self teacher is handed its own prompts in pla
 """
 
 from .base import ResolvedScores, RowScores, Teacher, TeacherRow, answered, resolve_rows, resolved_signal
-from .cross_tokenizer import CrossTokenizerTeacher, check_before_loading, teacher_in_process
+from .cross_tokenizer import (
+    CrossTokenizerTeacher,
+    ServedCrossTokenizerTeacher,
+    check_before_loading,
+    served_teacher,
+    teacher_in_process,
+)
 from .in_process import InProcessTeacher
 from .loading import connect_served_teacher, load_teacher, load_teachers, without_zero3_init
 from .router import TeacherRouter
@@ -54,6 +60,7 @@ __all__ = [
     "ResolvedScores",
     "RowScores",
     "SelfTeacher",
+    "ServedCrossTokenizerTeacher",
     "ServedTeacher",
     "Teacher",
     "TeacherRouter",
@@ -69,6 +76,7 @@ __all__ = [
     "read_tokenizer",
     "resolve_rows",
     "resolved_signal",
+    "served_teacher",
     "teacher_in_process",
     "without_zero3_init",
 ]

@@ -1,4 +1,5 @@
-"""A teacher of another tokenizer in the training processes: [`CrossTokenizerTeacher`] (issue 45).
+"""A teacher of another tokenizer (issue 45): in the training processes [`CrossTokenizerTeacher`], behind a vLLM
+server [`ServedCrossTokenizerTeacher`]; both read the rows as text ([`ReadsText`]).
 
 The teacher reads each row as text in its own tokens: the prompt rendered by its own chat template (a plain-text
 prompt tokenized as it is), the student's completion spelled out in bytes and tokenized again, its special tokens
@@ -10,8 +11,8 @@ each chunk with the teacher's and gives every token of the chunk the chunk's adv
 
 Only `reverse_kl` for now: `continuation` (the teacher's text tokenized for the student) and `divergence` (the
 teacher's distribution carried by [`alignment.map_next_token_distribution`]) are refused, as are teacher-written
-states and a served teacher of another tokenizer. Several routed teachers may include such teachers
-([`TeacherRouter`]: each row is read in its own teacher's tokens).
+states. Several routed teachers may include such teachers ([`TeacherRouter`]: each row is read in its own teacher's
+tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .alignment import align_token_ids, student_token_teacher_logprobs
 from .base import RowScores, answered, batch_rows
 from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
 from .in_process import InProcessTeacher, prepare_teacher_model
+from .served import ServedTeacher
+from .server_client import TeacherServerClient
 from .vocabulary import read_tokenizer, token_id_mismatch
 
 
@@ -32,6 +35,15 @@ def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
     if teacher_tokenizer is None or token_id_mismatch(trainer._tokenizer, teacher_tokenizer, path) is None:
         return InProcessTeacher.prepared(trainer, model, path)
     return CrossTokenizerTeacher.prepared(trainer, model, teacher_tokenizer)
+
+
+def served_teacher(trainer, path: str | None, url: str | None = None) -> ServedTeacher:
+    """The teacher served at `url` (default: `teacher_model_server_url`): a [`ServedCrossTokenizerTeacher`] when the
+    tokenizer saved at `path` maps tokens to ids otherwise than the student's, else a [`ServedTeacher`]."""
+    teacher_tokenizer = read_tokenizer(path)
+    if teacher_tokenizer is None or token_id_mismatch(trainer._tokenizer, teacher_tokenizer, path) is None:
+        return ServedTeacher.connect(trainer, path, url)
+    return ServedCrossTokenizerTeacher.connect(trainer, teacher_tokenizer, url)
 
 
 def refuse_unsupported(args, name: str) -> None:
@@ -68,23 +80,17 @@ def check_before_loading(args, student_tokenizer, path: str) -> None:
         raise ValueError(unmapped_special_message(student_vocab, teacher_vocab, student_tokenizer.eos_token_id))
 
 
-class CrossTokenizerTeacher(InProcessTeacher):
-    """An in-process teacher whose tokenizer differs from the student's (see the module docstring).
-
-    Args:
-        trainer: the [`OnPolicyDistillTrainer`] it serves.
-        model: the teacher, prepared as an [`InProcessTeacher`]'s is (without the same-vocabulary check).
-        tokenizer: the teacher's tokenizer (a fast one that spells every text in bytes: byte-level BPE, or
-            SentencePiece with byte fallback).
-    """
+class ReadsText:
+    """What a teacher of another tokenizer does on the trainer's side, in-process or served: each row's prompt and
+    the student's completion in the teacher's tokens, and the teacher's log-probs carried back onto the student's
+    tokens. Set up by `_read_as_text`; the class it is mixed into gives `trainer` and `_score_teacher_tokens`."""
 
     reads_student_ids = False
     crosses_tokenizers = True
 
-    def __init__(self, trainer, model, tokenizer):
-        super().__init__(trainer, model)
+    def _read_as_text(self, student_tokenizer, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.student_vocab = byte_vocabulary(trainer._tokenizer, "the student's")
+        self.student_vocab = byte_vocabulary(student_tokenizer, "the student's")
         self.teacher_vocab = byte_vocabulary(tokenizer)
         self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
         # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
@@ -104,17 +110,10 @@ class CrossTokenizerTeacher(InProcessTeacher):
                 if spelled not in self.byte_ids or token_id in self.teacher_vocab.byte_fallback_ids:
                     self.byte_ids[spelled] = token_id
 
-    @classmethod
-    def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
-        """Checked before any model work (`refuse_unsupported`, again: a teacher given as a path was checked before it
-        loaded, by `check_before_loading`), then made; the student's end-of-sequence tokens, generation config's
-        included, must have counterparts by role."""
-        refuse_unsupported(trainer.args, getattr(tokenizer, "name_or_path", "the teacher's"))
-        teacher = cls(trainer, prepare_teacher_model(trainer, model, same_vocabulary=False), tokenizer)
-        for token_id in trainer.eos_token_ids:
-            if token_id not in teacher.specials:
-                raise ValueError(unmapped_special_message(teacher.student_vocab, teacher.teacher_vocab, token_id))
-        return teacher
+    def _refuse_unmapped_ends(self, eos_token_ids) -> None:
+        for token_id in eos_token_ids:
+            if token_id not in self.specials:
+                raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
 
     def prompts(self, student_prompts, rows):
         """Each row's prompt in the teacher's tokens: a conversation through the teacher's chat template (with the
@@ -165,22 +164,120 @@ class CrossTokenizerTeacher(InProcessTeacher):
             ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
 
+    def _carry(self, completions, teacher_completions, scores: list[RowScores]) -> list[RowScores]:
+        """The teacher's log-probs of its own tokens (`scores`, one row per completion) on the student's tokens, with
+        each token's `signal`."""
+        carried = []
+        for student_ids, teacher_ids, row in zip(completions, teacher_completions, scores, strict=True):
+            alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+            values, signal = student_token_teacher_logprobs(alignment, row.logps.float().cpu())
+            carried.append(RowScores(values, signal=signal))
+        return carried
+
+    def _respelled(self, completions) -> list[list[int]]:
+        teacher_completions = [self.respell([int(t) for t in c]) for c in completions]
+        # Its forward runs over its own spelling of the completions: the FLOPs count the difference as its context
+        self.trainer._count_teacher_context(teacher_completions, completions)
+        return teacher_completions
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        if prompts:  # refused before training; an empty call is every rank's collective turn
+            raise RuntimeError("a teacher of another tokenizer does not write states (docs/cross-tokenizer.md)")
+        return []
+
+
+class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
+    """An in-process teacher whose tokenizer differs from the student's (see the module docstring).
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] it serves.
+        model: the teacher, prepared as an [`InProcessTeacher`]'s is (without the same-vocabulary check).
+        tokenizer: the teacher's tokenizer (a fast one that spells every text in bytes: byte-level BPE, or
+            SentencePiece with byte fallback).
+    """
+
+    def __init__(self, trainer, model, tokenizer):
+        InProcessTeacher.__init__(self, trainer, model)
+        self._read_as_text(trainer._tokenizer, tokenizer)
+
+    @classmethod
+    def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
+        """Checked before any model work (`refuse_unsupported`, again: a teacher given as a path was checked before it
+        loaded, by `check_before_loading`), then made; the student's end-of-sequence tokens, generation config's
+        included, must have counterparts by role."""
+        refuse_unsupported(trainer.args, getattr(tokenizer, "name_or_path", "the teacher's"))
+        teacher = cls(trainer, prepare_teacher_model(trainer, model, same_vocabulary=False), tokenizer)
+        teacher._refuse_unmapped_ends(trainer.eos_token_ids)
+        return teacher
+
     @torch.no_grad()
     def score(self, prompts, completions, distribution=False, teachers=None):
         """The teacher's log-probs of its own spelling of each completion after its own prompt (`prompts` are the
         teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`."""
-        teacher_completions = [self.respell([int(t) for t in c]) for c in completions]
-        # Its forward runs over its own spelling of the completions: the FLOPs count the difference as its context
-        self.trainer._count_teacher_context(teacher_completions, completions)
-        scores = self._score_rows(prompts, teacher_completions)
-        carried = []
-        for student_ids, teacher_ids, row in zip(completions, teacher_completions, scores):
-            alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
-            values, signal = student_token_teacher_logprobs(alignment, row.logps.float().cpu())
-            carried.append(RowScores(values, signal=signal))
+        teacher_completions = self._respelled(completions)
+        carried = self._carry(completions, teacher_completions, self._score_rows(prompts, teacher_completions))
         return batch_rows(answered(carried), len(carried))
 
-    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
-        if prompts:  # refused in `prepared`; an empty call is every rank's collective turn
-            raise RuntimeError("a teacher of another tokenizer does not write states (see CrossTokenizerTeacher)")
-        return []
+
+class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
+    """A teacher of another tokenizer behind a vLLM server (see the module docstring): the server reads the teacher's
+    tokens, and the log-probs it answers are carried back on the training side, in the background worker when
+    `teacher_server_overlap` is on. The teacher's path (its tokenizer) is needed: the server's own is not read.
+
+    Args:
+        trainer: the [`OnPolicyDistillTrainer`] it serves.
+        server ([`TeacherServerClient`]): the checked client, speaking the teacher's ids.
+        tokenizer: the teacher's tokenizer, as for [`CrossTokenizerTeacher`].
+        **served: [`ServedTeacher`]'s other arguments.
+    """
+
+    def __init__(self, trainer, server, tokenizer, **served):
+        ServedTeacher.__init__(self, server, **served)
+        self.trainer = trainer
+        self._read_as_text(trainer._tokenizer, tokenizer)
+
+    @classmethod
+    def connect(cls, trainer, tokenizer, url: str | None = None) -> ServedCrossTokenizerTeacher:
+        """The server at `url` (default: `teacher_model_server_url`) checked against the teacher's `tokenizer` (its
+        largest id scored), after the settings and the end tokens' roles."""
+        args = trainer.args
+        refuse_unsupported(args, tokenizer.name_or_path)
+        server = TeacherServerClient(
+            url or args.teacher_model_server_url,
+            tokenizer,
+            len(tokenizer),
+            timeout=args.teacher_server_timeout,
+            max_retries=args.teacher_server_max_retries,
+            retry_backoff=args.teacher_server_retry_backoff,
+            chunk_size=args.teacher_server_chunk_size,
+        )
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        teacher = cls(
+            trainer,
+            server,
+            tokenizer,
+            sampling={name: getattr(trainer, name) for name in names},
+            eos_token_ids=trainer.eos_token_ids,
+            seed_generator=trainer._source_generator,
+            accelerator=trainer.accelerator,
+            overlap=args.teacher_server_overlap,
+        )
+        teacher._refuse_unmapped_ends(trainer.eos_token_ids)
+        return teacher
+
+    def score(self, prompts, completions, distribution=False, teachers=None):
+        """As [`ServedTeacher.score`], on the teacher's spelling of the completions after its own prompts, carried
+        back onto the student's tokens."""
+        teacher_completions = self._respelled(completions)
+        sequences = [p + c for p, c in zip(prompts, teacher_completions)]
+        lengths = [len(p) for p in prompts]
+
+        def carried():
+            return self._carry(completions, teacher_completions, self._scores(sequences, lengths, 0))
+
+        if self._requests is None:  # at once, asked on every rank, rows or none: a failure raises on all of them
+            scores = self._on_every_rank(lambda: carried() if sequences else [])
+            return batch_rows(answered(scores), len(sequences)) if sequences else []
+        if not sequences:
+            return []
+        return batch_rows(self._requests.submit(carried), len(sequences))

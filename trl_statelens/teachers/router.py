@@ -8,8 +8,7 @@ import torch
 
 from ..heads import Divergence
 from .base import Teacher
-from .cross_tokenizer import teacher_in_process
-from .served import ServedTeacher
+from .cross_tokenizer import served_teacher, teacher_in_process
 
 
 class TeacherRouter(Teacher):
@@ -40,7 +39,7 @@ class TeacherRouter(Teacher):
         for name, (model, path, url) in loaded.items():
             try:
                 if url is not None:
-                    teachers[name] = ServedTeacher.connect(trainer, path, url)
+                    teachers[name] = served_teacher(trainer, path, url)
                 else:
                     teachers[name] = teacher_in_process(trainer, model, path)
             except ValueError as error:
