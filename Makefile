@@ -96,13 +96,16 @@ demo-real: $(STAMP)
 	@$(if $(QUICK),echo "QUICK=1 ran 4 of the setting's 40 steps: it shows the path and the records$(,) not the effect (make demo-real without QUICK).")
 	@echo "This setting on 250 GSM8K test problems, with SFT, the teacher and the 2026-12-03 run beside it: STUDY.md, \"A real model\"."
 
-# The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md).
+# The reference study's runs on the lab, 3 seeds, with stock-TRL baselines and reports (see STUDY.md): Table 2 as of
+# 2026-12-05, GRPO at the setting issue 46's dev rule chose (from the mild SFT) and the two no-teacher controls (the
+# constant advantage measured from seed 0's reverse-KL OPD run; recipes/studies/grpo_fair.py test measures it anew).
+STUDY_LAB_FLAGS = --grpo_flags docs/study/grpo-fair-test/grpo_flags.json --constant_advantage -0.24668953950372977
 study-lab: $(STAMP)
-	$(BIN)/python recipes/studies/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab
+	$(BIN)/python recipes/studies/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab $(STUDY_LAB_FLAGS)
 
 # The same runs for seed 0 only: every comparison with its interval over test problems, no spread over seeds.
 study-lab-quick: $(STAMP)
-	$(BIN)/python recipes/studies/study_lab.py --seeds 0 --out runs/study-lab-quick
+	$(BIN)/python recipes/studies/study_lab.py --seeds 0 --out runs/study-lab-quick $(STUDY_LAB_FLAGS)
 
 # Issue 29: which training-time statistic forecasts forgetting, over 31 short lab runs, 2 at once (STUDY.md,
 # "Forecasting forgetting from states"); skips runs whose results.json exists. `--dry_run` prints the grid and its cost.

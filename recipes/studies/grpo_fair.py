@@ -198,16 +198,21 @@ def compute_curves(study: Path, seeds: list[int], grpo_start: str | None) -> dic
             if during is None:
                 sys.exit(f"{folder}: no target evaluation during training, so no curve against compute")
             steps = [int(s) for s in during[0] if s > 0]
-            flops = training_flops(trained, steps)
+            before = 0.0  # the training FLOPs of the runs it needs
             for other in needed:
                 started = load_run(study / f"seed{seed}" / other)
-                flops = flops + float(training_flops(started, [started.steps["step"].max()])[0])
+                before += float(training_flops(started, [started.steps["step"].max()])[0])
+            flops = training_flops(trained, steps) + before
             items = [item_scores(folder / "eval" / "steps" / f"step{s}.items.jsonl", "gsm8k", "correct_strict")
                      for s in steps]  # fmt: skip
             if any(set(i) != set(items[0]) for i in items):
                 sys.exit(f"{folder}: its evaluations during training scored different problems")
             curves[name].append({"steps": steps, "flops": [float(f) for f in flops], "items": items,
                                  "problems": sorted(items[0])})  # fmt: skip
+            if name == "grpo" and grpo_start:  # where GRPO started, on the same problems: drawn, never in the ratio
+                start = item_scores(study / f"seed{seed}" / grpo_start / "eval" / "after.items.jsonl", "gsm8k",
+                                    "correct_strict")  # fmt: skip
+                curves[name][-1]["start"] = {"flops": before, "greedy": float(np.mean([start[q] for q in items[0]]))}
     for i, seed in enumerate(seeds):  # (the problems a seed's evaluations draw depend on the seed)
         if any(runs[i]["problems"] != curves["grpo"][i]["problems"] for runs in curves.values()):
             sys.exit(f"seed {seed}: the runs' evaluations during training scored different problems")
@@ -263,7 +268,8 @@ def compare_compute(study: Path, seeds: list[int], out: Path, grpo_start: str | 
 
 def _curve_summary(curves: dict) -> dict:
     return {name: [{"steps": run["steps"], "flops": run["flops"],
-                    "greedy": [float(np.mean(list(items.values()))) for items in run["items"]]}
+                    "greedy": [float(np.mean(list(items.values()))) for items in run["items"]],
+                    **({"start": run["start"]} if "start" in run else {})}
                    for run in runs] for name, runs in curves.items()}  # fmt: skip
 
 
@@ -276,7 +282,11 @@ def _plot_compute(curves: dict, count: int, result: dict, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for name, runs in curves.items():
         _, scores, flops = mean_curve(runs, range(count))
-        axes.plot(flops, scores, marker="o", label=f"{name} (mean of {len(runs)} seeds, smoothed)")
+        line = axes.plot(flops, scores, marker="o", label=f"{name} (mean of {len(runs)} seeds, smoothed)")[0]
+        if all("start" in run for run in runs):  # GRPO's warm start, on the same problems (not in the ratio)
+            start = [np.mean([run["start"][key] for run in runs]) for key in ("flops", "greedy")]
+            axes.plot([start[0], flops[0]], [start[1], scores[0]], color=line.get_color(), linestyle="--", marker="o",
+                      markevery=[0], markerfacecolor="white", label=f"{name}: from its start, the warm-start model")  # fmt: skip
     axes.axhline(result["grpo_best"], color="gray", linestyle=":", label="GRPO's best")
     axes.set_xscale("log")
     axes.set_xlabel("training FLOPs (the runs each needs included)")
