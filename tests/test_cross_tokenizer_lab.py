@@ -24,7 +24,9 @@ def test_smoke_runs_both_arms_and_the_cross_arm_reads_another_tokenizer(tmp_path
     student = AutoTokenizer.from_pretrained(student_path)
     # the second lab tokenizer keeps digit runs whole where the student's splits them
     assert len(student.tokenize("1234")) == 4 and len(other.tokenize("1234")) < 4
-    for arm in ("same", "cross"):
+    # the post-hoc arm's teacher reads the student's ids
+    assert AutoTokenizer.from_pretrained(out / "independent" / "teacher").get_vocab() == student.get_vocab()
+    for arm in ("same", "cross", "independent"):
         results = json.loads((out / "seed0" / arm / "results.json").read_text())
         assert results["global_steps"] == 2
         assert summary["scores"][arm]["gsm8k"]["values"] == [results["after"]["scores"]["gsm8k"]]
@@ -36,5 +38,7 @@ def test_smoke_runs_both_arms_and_the_cross_arm_reads_another_tokenizer(tmp_path
     assert same_exact is None and 0.0 <= cross_exact <= 1.0
     assert summary["teachers"]["cross"] == str(out / "other" / "teacher")
     labels = {(c["run"], c["reference"]) for c in summary["comparisons"]}
-    assert labels == {("cross", "same"), ("same", "base"), ("cross", "base")}
+    assert labels == {("cross", "same"), ("same", "base"), ("cross", "base"), ("cross", "independent"),
+                      ("independent", "base")}  # fmt: skip
+    assert summary["runs"]["independent"]["alignment_exact"] == [None]
     assert "teacher_cross" in (out / "summary.md").read_text()

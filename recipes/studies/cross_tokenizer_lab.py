@@ -9,13 +9,15 @@ The second lab tokenizer is trained on the same world with the same vocabulary s
 for its merges to join (the lab's splits digits one by one), so its merges differ too. Its teacher is built as the
 lab's own: a lab-size base pretrained by `pretrain`'s defaults, then `build_teacher`'s fine-tuning on math answers
 (300 steps of 16). The matching rule: while its dev math accuracy is more than `MATCH_BY` below the same-tokenizer
-teacher's, 100 more steps on fresh problems, 600 steps at most. Both are cached in `--out/other/`.
+teacher's, 100 more steps on fresh problems, 600 steps at most. Cached in `--out/other/`.
 
-Then per seed both arms: `recipes/opd.py` with the lab config (`opd.yaml`: 75 steps of 32 rollouts, lr 3e-4) and
-`--signal reverse_kl` (the signal a teacher of another tokenizer supports). `summary.json` and `summary.md` in
-`--out`: scores over seeds, paired comparisons with 95% bootstrap intervals over test problems (study_lab.py's), both
-teachers' own scores, the cross arm's `alignment/exact` (all tokens and digits), and `teacher_kl/sampled` at the first
-and last steps.
+Then per seed each arm: `recipes/opd.py` with the lab config (`opd.yaml`: 75 steps of 32 rollouts, lr 3e-4) and
+`--signal reverse_kl` (the signal a teacher of another tokenizer supports). A third arm, added after the first
+results (STUDY.md, amendment): `independent`, a teacher of the student's tokenizer pretrained from another seed and
+fine-tuned the same way, as far from the student as the other tokenizer's teacher but reading its ids. `summary.json`
+and `summary.md` in `--out`: scores over seeds, paired comparisons with 95% bootstrap intervals over test problems
+(study_lab.py's), the teachers' own scores, the cross arm's `alignment/exact` (all tokens and digits), and
+`teacher_kl/sampled` at the first and last steps.
 """
 
 import argparse
@@ -31,11 +33,14 @@ from study_lab import SCORES, SMOKE_FLAGS, compare_runs, comparison_table, run
 
 RECIPES = Path(__file__).resolve().parents[1]
 CONFIG = RECIPES / "configs" / "lab" / "opd.yaml"
-ARMS = ("same", "cross")
+ARMS = ("same", "cross", "independent")
 COMPARISONS = [
     ("teacher of another tokenizer vs the student's (students)", "cross", "same"),
     ("same-tokenizer teacher's student vs the base", "same", "base"),
     ("other-tokenizer teacher's student vs the base", "cross", "base"),
+    # the post-hoc arm (STUDY.md, amendment): a teacher as far from the student as `cross`'s, of the student's tokenizer
+    ("teacher of another tokenizer vs one of the student's, both pretrained apart (students)", "cross", "independent"),
+    ("independently pretrained teacher's student vs the base", "independent", "base"),
 ]
 TEACHER_STEPS, MORE_STEPS, MAX_TEACHER_STEPS = 300, 100, 600  # `build_teacher`'s 300 steps of 16, lr 5e-4
 MATCH_BY = 0.05
@@ -43,24 +48,21 @@ EDGE_STEPS = 5  # teacher_kl "first" and "last": the mean over this many steps a
 RUN_COLUMNS = ("teacher_kl_first", "teacher_kl_last", "alignment_exact", "alignment_exact_numbers")
 
 
-def build_other_teacher(out: Path, same_teacher: str, smoke: bool) -> dict:
-    """The second lab tokenizer, its base and its math teacher under `out`, by the matching rule; cached."""
+def build_teacher_from_scratch(out: Path, tokenizer, seed: int, same_teacher: str, smoke: bool) -> dict:
+    """A lab-size base pretrained with `tokenizer` (seed `seed`) and its math teacher under `out`, by the lab's recipe
+    and the matching rule; cached."""
     info_path = out / "info.json"
     if info_path.exists():
         return json.loads(info_path.read_text())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_statelens.lab import LabWorld, build_model, build_tokenizer, fine_tune_on_answers, pretrain, score_math
+    from trl_statelens.lab import LabWorld, build_model, fine_tune_on_answers, pretrain, score_math
     from trl_statelens.reports.runs import resolve_model
 
     world = LabWorld(seed=0)
-    build_tokenizer(world, individual_digits=False, num_documents=2000 if smoke else 20000).save_pretrained(
-        out / "tokenizer"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
-    model = build_model("test" if smoke else "lab", tokenizer, seed=0)
+    model = build_model("test" if smoke else "lab", tokenizer, seed=seed)
     settings = dict(max_steps=2, min_steps=2, batch_size=2, block=32) if smoke else {}
-    pretrained = pretrain(model, tokenizer, world, out / "pretrain", seed=0, **settings)
+    pretrained = pretrain(model, tokenizer, world, out / "pretrain", seed=seed, **settings)
     model.save_pretrained(out / "base")
     tokenizer.save_pretrained(out / "base")
 
@@ -69,19 +71,39 @@ def build_other_teacher(out: Path, same_teacher: str, smoke: bool) -> dict:
     same_dev = score_math(same, AutoTokenizer.from_pretrained(resolve_model(same_teacher)), dev)
     steps, batch = (2, 2) if smoke else (TEACHER_STEPS, 16)
     rows = world.math("train", n=MAX_TEACHER_STEPS * batch, seed=1)  # `build_teacher`'s problems, then fresh ones
-    fine_tune_on_answers(model, tokenizer, rows[: steps * batch], steps, batch, 5e-4, desc="other-tokenizer teacher")
+    fine_tune_on_answers(model, tokenizer, rows[: steps * batch], steps, batch, 5e-4, desc="math teacher")
     history = [{"steps": steps, "dev_math": score_math(model, tokenizer, dev)}]
     while history[-1]["dev_math"] < same_dev - MATCH_BY and steps < MAX_TEACHER_STEPS and not smoke:
         more = rows[steps * batch : (steps + MORE_STEPS) * batch]
-        fine_tune_on_answers(model, tokenizer, more, MORE_STEPS, batch, 5e-4, desc="other-tokenizer teacher")
+        fine_tune_on_answers(model, tokenizer, more, MORE_STEPS, batch, 5e-4, desc="math teacher")
         steps += MORE_STEPS
         history.append({"steps": steps, "dev_math": score_math(model, tokenizer, dev)})
     model.save_pretrained(out / "teacher")
     tokenizer.save_pretrained(out / "teacher")
     info = {"pretrain_steps": pretrained["steps"], "same_teacher_dev_math": same_dev, "fine_tuning": history,
-            "vocab_size": len(tokenizer)}  # fmt: skip
+            "vocab_size": len(tokenizer), "pretrain_seed": seed}  # fmt: skip
     info_path.write_text(json.dumps(info, indent=2))
     return info
+
+
+def build_teachers(out: Path, student: str, same_teacher: str, smoke: bool) -> dict:
+    """`other/`: the second lab tokenizer's teacher (seed 0, as the lab's); `independent/`: a teacher of the student's
+    tokenizer pretrained from another seed (1), the post-hoc arm that holds the teacher's distance from the student
+    apart from its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from trl_statelens.lab import LabWorld, build_tokenizer
+    from trl_statelens.reports.runs import resolve_model
+
+    if not (out / "other" / "info.json").exists():
+        tokenizer = build_tokenizer(LabWorld(seed=0), individual_digits=False, num_documents=2000 if smoke else 20000)
+        tokenizer.save_pretrained(out / "other" / "tokenizer")
+    other_tokenizer = AutoTokenizer.from_pretrained(out / "other" / "tokenizer")
+    student_tokenizer = AutoTokenizer.from_pretrained(resolve_model(student))
+    return {
+        "cross": build_teacher_from_scratch(out / "other", other_tokenizer, 0, same_teacher, smoke),
+        "independent": build_teacher_from_scratch(out / "independent", student_tokenizer, 1, same_teacher, smoke),
+    }
 
 
 def teacher_kl_ends(run_dir: Path) -> dict:
@@ -107,9 +129,10 @@ def main():
     args = parser.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    other = build_other_teacher(out / "other", args.same_teacher, args.smoke)
-    print(f"other-tokenizer teacher: {json.dumps(other)}", flush=True)
-    teachers = {"same": args.same_teacher, "cross": str(out / "other" / "teacher")}
+    built = build_teachers(out, args.model_name_or_path, args.same_teacher, args.smoke)
+    print(f"teachers built here: {json.dumps(built)}", flush=True)
+    teachers = {"same": args.same_teacher, "cross": str(out / "other" / "teacher"),
+                "independent": str(out / "independent" / "teacher")}  # fmt: skip
     eval_flags = SMOKE_FLAGS["eval"] if args.smoke else []
     smoke = [*SMOKE_FLAGS["opd"], *eval_flags] if args.smoke else []
 
@@ -131,8 +154,8 @@ def main():
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: run(job[0], job[1] / "log.txt"), todo))
 
-    summary = {"seeds": args.seeds, "teachers": teachers, "other_teacher": other, "scores": {}, "runs": {}}
-    for name in ("base", "teacher_same", "teacher_cross"):
+    summary = {"seeds": args.seeds, "teachers": teachers, "built": built, "scores": {}, "runs": {}}
+    for name in ("base", *(f"teacher_{arm}" for arm in ARMS)):
         scores = json.loads((out / name / "results.json").read_text())["after"]["scores"]
         summary["scores"][name] = {task: {"mean": scores[task], "values": [scores[task]]} for task in SCORES}
     for arm in ARMS:
