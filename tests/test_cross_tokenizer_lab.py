@@ -42,3 +42,21 @@ def test_smoke_runs_both_arms_and_the_cross_arm_reads_another_tokenizer(tmp_path
                       ("independent", "base")}  # fmt: skip
     assert summary["runs"]["independent"]["alignment_exact"] == [None]
     assert "teacher_cross" in (out / "summary.md").read_text()
+
+
+def test_number_signal_sums_each_numbers_log_ratio_over_its_digits(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from cross_tokenizer_lab import number_signal
+
+    ledger = tmp_path / "statelens"
+    ledger.mkdir()
+    samples = [
+        {"step": 1, "tokens": [" ", "1", "3", " apples", " ", "5", "."], "logp": [-0.1, -1.0, -0.5, -0.2, -0.1, -2.0, 0.0],
+         "teacher_logp": [-0.1, -0.25, -0.25, -0.3, None, -3.0, 0.0]},
+        {"step": 2, "tokens": ["7", "<eos>"], "logp": [-1.0, 0.0], "teacher_logp": [-2.0, 0.0]},
+        {"step": 9, "tokens": ["4", "2"], "logp": [-1.0, -1.0], "teacher_logp": [0.0, 0.0]},  # outside the window
+    ]  # fmt: skip
+    (ledger / "states.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    counted = number_signal(tmp_path, 1, 2)
+    assert counted["several_digits"] == {"numbers": 1, "mean_log_ratio": pytest.approx(1.0)}  # 13: -0.5 - (-1.5)
+    assert counted["one_digit"] == {"numbers": 2, "mean_log_ratio": pytest.approx(-1.0)}  # 5: -1.0; 7: -1.0

@@ -38,7 +38,7 @@ COMPARISONS = [
     ("teacher of another tokenizer vs the student's (students)", "cross", "same"),
     ("same-tokenizer teacher's student vs the base", "same", "base"),
     ("other-tokenizer teacher's student vs the base", "cross", "base"),
-    # the post-hoc arm (STUDY.md, amendment): a teacher as far from the student as `cross`'s, of the student's tokenizer
+    # the post-hoc arm (STUDY.md, amendment 1): a teacher pretrained apart, of the student's tokenizer
     ("teacher of another tokenizer vs one of the student's, both pretrained apart (students)", "cross", "independent"),
     ("independently pretrained teacher's student vs the base", "independent", "base"),
 ]
@@ -118,6 +118,32 @@ def teacher_kl_ends(run_dir: Path) -> dict:
             **shares}  # fmt: skip
 
 
+def number_signal(run_dir: Path, first: int, last: int) -> dict:
+    """Over the ledger's sampled sequences of steps `first`-`last`: how many numbers of one digit and of several the
+    student wrote, and the mean teacher-minus-student log-prob summed over each number's tokens (the signal its digits
+    got; the ledger keeps a chunk's value shared out over its tokens, so the sum is the chunk's)."""
+    counts, signal = {"one_digit": 0, "several_digits": 0}, {"one_digit": [], "several_digits": []}
+    for line in (run_dir / "statelens" / "states.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        if not first <= sample["step"] <= last:
+            continue
+        tokens, student, teacher = sample["tokens"], sample["logp"], sample["teacher_logp"]
+        i = 0
+        while i < len(tokens):
+            if not tokens[i].isdigit():
+                i += 1
+                continue
+            end = i
+            while end + 1 < len(tokens) and tokens[end + 1].isdigit():
+                end += 1
+            kind = "one_digit" if end == i else "several_digits"
+            counts[kind] += 1
+            signal[kind].append(sum(teacher[k] - student[k] for k in range(i, end + 1) if teacher[k] is not None))
+            i = end + 1
+    return {kind: {"numbers": counts[kind], "mean_log_ratio": float(np.mean(v)) if v else None}
+            for kind, v in signal.items()}  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -162,9 +188,13 @@ def main():
         results = [json.loads((out / f"seed{s}" / arm / "results.json").read_text()) for s in args.seeds]
         summary["scores"][arm] = {task: {"mean": statistics.mean(v), "values": v} for task in SCORES
                                   for v in [[r["after"]["scores"][task] for r in results]]}  # fmt: skip
-        summary["runs"][arm] = {"train_seconds": [r["train_seconds"] for r in results],
-                                **{k: [teacher_kl_ends(out / f"seed{s}" / arm)[k] for s in args.seeds]
-                                   for k in RUN_COLUMNS}}  # fmt: skip
+        runs, steps = [out / f"seed{s}" / arm for s in args.seeds], [r["global_steps"] for r in results]
+        summary["runs"][arm] = {
+            "train_seconds": [r["train_seconds"] for r in results],
+            **{k: [teacher_kl_ends(run)[k] for run in runs] for k in RUN_COLUMNS},
+            "numbers_first_10_steps": [number_signal(run, 1, 10) for run in runs],
+            "numbers_last_10_steps": [number_signal(run, n - 9, n) for run, n in zip(runs, steps)],
+        }
     summary["comparisons"] = compare_runs(out, args.seeds, COMPARISONS)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     text = summary_table(summary) + "\n" + comparison_table(summary["comparisons"], args.seeds)
@@ -188,6 +218,19 @@ def summary_table(summary: dict) -> str:
         cells = [", ".join("-" if v is None else f"{v:.3f}" for v in run_[k])
                  for k in ("train_seconds", *RUN_COLUMNS)]  # fmt: skip
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", "Numbers the student wrote in the ledger's sampled sequences, per seed, and the mean over them of "
+              "the teacher-minus-student log-prob summed over each number's tokens:", "",
+              "| arm | steps | one-digit numbers | their log-ratio | longer numbers | their log-ratio |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, run_ in summary["runs"].items():
+        for window, label in (("numbers_first_10_steps", "first 10"), ("numbers_last_10_steps", "last 10")):
+            cells = []
+            for kind in ("one_digit", "several_digits"):
+                seeds = [seed[kind] for seed in run_[window]]
+                cells.append(", ".join(str(seed["numbers"]) for seed in seeds))
+                cells.append(", ".join("-" if seed["mean_log_ratio"] is None else f"{seed['mean_log_ratio']:.2f}"
+                                       for seed in seeds))  # fmt: skip
+            lines.append(f"| {arm} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
