@@ -67,3 +67,40 @@ def test_gemma3_teaches_smollm2_through_its_own_tokens(tmp_path, smollm2_path, g
     trainer.train()
     (exact,) = logs(trainer, "alignment/exact")
     assert 0.5 < exact <= 1.0 and torch.isfinite(torch.tensor(logs(trainer, "loss"))).all()
+
+
+def test_smollm2_teaches_gemma3_the_other_way_round(tmp_path, smollm2_path, gemma3_path):  # noqa: F811
+    """Gemma 3 as the student, SmolLM2-135M-Instruct its teacher: the teacher reads Gemma's rollouts in ChatML, each
+    of Gemma's end tokens maps to SmolLM2's of the same role, and a LoRA step trains with most tokens exact."""
+    dataset = gsm8k("train", "chat", limit=4)
+    trainer = OnPolicyDistillTrainer(
+        model=str(gemma3_path),
+        teacher_model=str(smollm2_path),
+        args=OnPolicyDistillConfig(
+            **{
+                **CPU,
+                "output_dir": str(tmp_path),
+                "max_steps": 1,
+                "per_device_train_batch_size": 2,
+                "num_generations": 2,
+                "max_completion_length": 16,
+                "learning_rate": 1e-4,
+                "temperature": 1.0,
+            },
+        ),  # fmt: skip
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    teacher = trainer.teacher
+    assert isinstance(teacher, CrossTokenizerTeacher)
+    ends = {teacher.tokenizer.convert_ids_to_tokens(teacher.specials[i]) for i in trainer.eos_token_ids}
+    assert ends <= {"<|im_end|>", "<|endoftext|>"} and ends
+    prompts = teacher.prompts(None, [dataset[0]])
+    assert teacher.tokenizer.decode(prompts[0]).startswith("<|im_start|>")
+    gemma = AutoTokenizer.from_pretrained(gemma3_path)
+    answer = gemma(dataset[0]["answer"], add_special_tokens=False)["input_ids"]
+    (carried,) = [row.scores.result()[row.index] for row in teacher.score(prompts, [answer])]
+    assert (carried.signal == TeacherSignal.EXACT).float().mean() > 0.9
+    trainer.train()
+    (exact,) = logs(trainer, "alignment/exact")
+    assert 0.5 < exact <= 1.0 and torch.isfinite(torch.tensor(logs(trainer, "loss"))).all()
