@@ -25,6 +25,7 @@ from trl_statelens.teachers.alignment import (
     map_next_token_distribution,
     next_token_map,
     student_token_teacher_logprobs,
+    student_tokens_the_teacher_extends,
 )
 from trl_statelens.teachers.byte_vocab import byte_level_alphabet, byte_vocabulary, special_token_map
 
@@ -234,6 +235,20 @@ def test_same_tokenizer_is_exact_everywhere_and_the_identity(split):
     probs = torch.softmax(torch.randn(3, len(vocab), generator=torch.Generator().manual_seed(0)), -1)
     mapped = map_next_token_distribution(next_token_map(vocab, vocab), probs)
     assert torch.equal(mapped.student_probs, probs) and torch.equal(mapped.leftover, torch.zeros(3))
+
+
+def test_student_tokens_the_teacher_extends_are_the_ends_only_the_teacher_can_go_on_from(split, whole):
+    """Single digits against numbers kept whole: no student token goes on from `7`, a teacher token (`72`, ...) does,
+    so every digit the teacher's numbers start with is listed; the other way round no digit is, and one tokenizer on
+    both sides lists nothing."""
+    (_, split_vocab), (_, whole_vocab) = split, whole
+    extended = student_tokens_the_teacher_extends(split_vocab, whole_vocab)
+    assert {t for t in extended if t.isdigit()} == {bytes([d]) for d in range(ord("0"), ord("9") + 1)
+                                                    if any(t and t.startswith(bytes([d])) and len(t) > 1 and t.isdigit()
+                                                           for t in whole_vocab.token_bytes)}  # fmt: skip
+    assert any(t.isdigit() for t in extended)
+    assert not [t for t in student_tokens_the_teacher_extends(whole_vocab, split_vocab) if t.isdigit()]
+    assert student_tokens_the_teacher_extends(split_vocab, split_vocab) == []
 
 
 # ------------------------------------------- (b) re-segmented bytes: the mapping against the brute-force exact answer

@@ -99,7 +99,7 @@ def test_same_tokenizer_through_the_cross_tokenizer_path_trains_as_the_direct_pa
 
 
 def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
-    tmp_path, math_trained_path, other_teacher_path, math_dataset, tokenizer
+    tmp_path, math_trained_path, other_teacher_path, math_dataset, tokenizer, caplog
 ):
     """The teacher path names a tokenizer of other merges: the trainer builds a `CrossTokenizerTeacher`. On real
     rollouts, each row's carried log-probs sum to the teacher's log-prob of its own tokenization of the completion
@@ -113,6 +113,8 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     )
     teacher = trainer.teacher
     assert isinstance(teacher, CrossTokenizerTeacher) and trainer.probe_teacher_model is None
+    # the known defect's warning: this teacher writes numbers in longer tokens than the student's digits
+    assert "writes numbers in longer tokens than the student's" in caplog.text and "'1'" in caplog.text
     rows = [math_dataset[i] for i in range(4)]
     completions = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
     completions[0] = completions[0] + [tokenizer.eos_token_id]

@@ -121,9 +121,11 @@ def teacher_kl_ends(run_dir: Path) -> dict:
 def number_signal(run_dir: Path, first: int, last: int) -> dict:
     """Over the ledger's sampled sequences of steps `first`-`last`: how many numbers of one digit and of several the
     student wrote, and the mean teacher-minus-student log-prob summed over each number's tokens (the signal its digits
-    got; the ledger keeps a chunk's value shared out over its tokens, so the sum is the chunk's)."""
+    got; the ledger keeps a chunk's value shared out over its tokens, so the sum is the chunk's). None sampled: none
+    counted."""
     counts, signal = {"one_digit": 0, "several_digits": 0}, {"one_digit": [], "several_digits": []}
-    for line in (run_dir / "statelens" / "states.jsonl").read_text().splitlines():
+    sampled = run_dir / "statelens" / "states.jsonl"  # (none when the ledger's sample rate drew no sequence)
+    for line in sampled.read_text().splitlines() if sampled.exists() else []:
         sample = json.loads(line)
         if not first <= sample["step"] <= last:
             continue

@@ -17,6 +17,7 @@ special token (which spells none) as one unit; a place where both cut is a share
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import IntEnum
@@ -211,6 +212,22 @@ class MappedDistribution(NamedTuple):
     leftover: torch.Tensor
     prefix_mass: torch.Tensor
     unresolved_mass: torch.Tensor
+
+
+def student_tokens_the_teacher_extends(student_vocab: ByteVocabulary, teacher_vocab: ByteVocabulary) -> list[bytes]:
+    """The student's tokens whose end the per-token signal misplaces (docs/cross-tokenizer.md, "Known defect"): no
+    other student token starts with their bytes, so the student's log-prob of one says nothing of where the text's
+    token ends, while a longer teacher token does start with them, so the teacher's log-prob there does. Sorted."""
+    student = sorted({spelled for spelled in student_vocab.token_bytes if spelled})
+    teacher = sorted({spelled for spelled in teacher_vocab.token_bytes if spelled})
+    extended = []
+    for i, spelled in enumerate(student):
+        if i + 1 < len(student) and student[i + 1].startswith(spelled):  # (the next in byte order, if any extends it)
+            continue
+        after = bisect.bisect_right(teacher, spelled)
+        if after < len(teacher) and teacher[after].startswith(spelled):
+            extended.append(spelled)
+    return extended
 
 
 def ids_by_bytes(vocab: ByteVocabulary) -> dict[bytes, list[int]]:

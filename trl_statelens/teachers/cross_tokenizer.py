@@ -17,15 +17,19 @@ tokens).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from .alignment import align_token_ids, student_token_teacher_logprobs
+from .alignment import align_token_ids, student_token_teacher_logprobs, student_tokens_the_teacher_extends
 from .base import RowScores, answered, batch_rows
 from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
 from .in_process import InProcessTeacher, prepare_teacher_model
 from .served import ServedTeacher
 from .server_client import TeacherServerClient
 from .vocabulary import read_tokenizer, token_id_mismatch
+
+logger = logging.getLogger(__name__)
 
 
 def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
@@ -93,6 +97,16 @@ class ReadsText:
         self.student_vocab = byte_vocabulary(student_tokenizer, "the student's")
         self.teacher_vocab = byte_vocabulary(tokenizer)
         self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
+        digits = [t for t in student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab) if t.isdigit()]
+        if digits:  # where the known defect harmed a student (STUDY.md): numbers the teacher writes in longer tokens
+            logger.warning(
+                "The teacher's tokenizer (%s) writes numbers in longer tokens than the student's, which ends a token "
+                "after each of %s: the per-token signal puts the teacher's 'the number ends here' on the student's "
+                "digits (a known defect, docs/cross-tokenizer.md). On the lab such a teacher taught the student to "
+                "write one-digit numbers; prefer a teacher whose tokenizer splits digits as the student's does.",
+                tokenizer.name_or_path,
+                ", ".join(repr(t.decode()) for t in digits[:10]),
+            )
         # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
         self.number_tokens = torch.tensor(
             [
