@@ -178,6 +178,35 @@ def student_token_teacher_logprobs(
     return values, signal
 
 
+def move_teacher_ends(
+    alignment: TokenAlignment,
+    values: torch.Tensor,
+    student_ids,
+    movable: torch.Tensor,
+    end_logmass: torch.Tensor,
+) -> torch.Tensor:
+    """`values` from [`student_token_teacher_logprobs`] with the teacher's "its token ends here" moved to where the
+    student says it (docs/cross-tokenizer.md, "Known defect"). `end_logmass` `(n_teacher,)`: per teacher token, the
+    log-prob of the teacher writing any token whose bytes start with its bytes less the log-prob of that token (0
+    where no longer token does). For each student token that carries a value and ends where a teacher token ends,
+    if the student's vocabulary cannot go on from that token (`movable[id]`, e.g. a single digit), that teacher
+    token's term is added to it (its value becomes the teacher's probability of those bytes, whatever follows) and
+    taken from the next carrying token (which then gets the teacher's probability of how the text goes on). With one
+    tokenizer on both sides no movable token has a longer teacher token, so nothing moves."""
+    values = values.clone()
+    carriers = (alignment.signal != TeacherSignal.CHUNK_INSIDE).nonzero()[:, 0].tolist()
+    ends = alignment.student_boundaries[1:]
+    for place, k in enumerate(carriers):
+        if not movable[int(student_ids[k])]:
+            continue
+        j = int(torch.searchsorted(alignment.teacher_boundaries, ends[k])) - 1  # the teacher token ending there
+        term = end_logmass[j].to(values.dtype)
+        values[k] += term
+        if place + 1 < len(carriers):
+            values[carriers[place + 1]] -= term
+    return values
+
+
 @dataclass(frozen=True)
 class NextTokenMap:
     """Index tables, built once per tokenizer pair ([`next_token_map`]), that carry a teacher next-token distribution

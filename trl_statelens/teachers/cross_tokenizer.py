@@ -17,12 +17,19 @@ tokens).
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
 
-from .alignment import align_token_ids, student_token_teacher_logprobs, student_tokens_the_teacher_extends
-from .base import RowScores, answered, batch_rows
+from .. import collective
+from .alignment import (
+    align_token_ids,
+    move_teacher_ends,
+    student_token_teacher_logprobs,
+    student_tokens_the_teacher_extends,
+)
+from .base import RowScores, answered, batch_rows, completion_padded, left_padded
 from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
 from .in_process import InProcessTeacher, prepare_teacher_model
 from .served import ServedTeacher
@@ -97,16 +104,14 @@ class ReadsText:
         self.student_vocab = byte_vocabulary(student_tokenizer, "the student's")
         self.teacher_vocab = byte_vocabulary(tokenizer)
         self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
-        digits = [t for t in student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab) if t.isdigit()]
-        if digits:  # where the known defect harmed a student (STUDY.md): numbers the teacher writes in longer tokens
-            logger.warning(
-                "The teacher's tokenizer (%s) writes numbers in longer tokens than the student's, which ends a token "
-                "after each of %s: the per-token signal puts the teacher's 'the number ends here' on the student's "
-                "digits (a known defect, docs/cross-tokenizer.md). On the lab such a teacher taught the student to "
-                "write one-digit numbers; prefer a teacher whose tokenizer splits digits as the student's does.",
-                tokenizer.name_or_path,
-                ", ".join(repr(t.decode()) for t in digits[:10]),
-            )
+        # The student's tokens whose end only the teacher's tokens can say (a digit against numbers kept whole): there
+        # the teacher's "its token ends here" is moved onto the student's next token (`alignment.move_teacher_ends`)
+        extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
+        self.movable = torch.tensor([spelled in extended for spelled in self.student_vocab.token_bytes])
+        order = sorted((spelled, i) for i, spelled in enumerate(self.teacher_vocab.token_bytes) if spelled)
+        self._teacher_sorted = [spelled for spelled, _ in order]
+        self._teacher_sorted_ids = [i for _, i in order]
+        self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
         # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
         self.number_tokens = torch.tensor(
             [
@@ -123,6 +128,20 @@ class ReadsText:
             if spelled is not None and len(spelled) == 1:
                 if spelled not in self.byte_ids or token_id in self.teacher_vocab.byte_fallback_ids:
                     self.byte_ids[spelled] = token_id
+
+    def extensions(self, token_id: int) -> torch.Tensor:
+        """The teacher tokens whose bytes start with `token_id`'s (itself included; itself only for a special token)."""
+        if token_id not in self._extensions:
+            spelled = self.teacher_vocab.token_bytes[token_id]
+            ids = [token_id]
+            if spelled:
+                start = bisect.bisect_left(self._teacher_sorted, spelled)
+                ids, end = [], start
+                while end < len(self._teacher_sorted) and self._teacher_sorted[end].startswith(spelled):
+                    ids.append(self._teacher_sorted_ids[end])
+                    end += 1
+            self._extensions[token_id] = torch.tensor(ids)
+        return self._extensions[token_id]
 
     def _refuse_unmapped_ends(self, eos_token_ids) -> None:
         for token_id in eos_token_ids:
@@ -178,13 +197,18 @@ class ReadsText:
             ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
 
-    def _carry(self, completions, teacher_completions, scores: list[RowScores]) -> list[RowScores]:
+    def _carry(self, completions, teacher_completions, scores: list[RowScores], end_logmass=None) -> list[RowScores]:
         """The teacher's log-probs of its own tokens (`scores`, one row per completion) on the student's tokens, with
-        each token's `signal`."""
+        each token's `signal`; with `end_logmass` (one `(n_teacher,)` row per completion), each teacher token's "ends
+        here" moved where the student says it ([`move_teacher_ends`])."""
         carried = []
-        for student_ids, teacher_ids, row in zip(completions, teacher_completions, scores, strict=True):
+        for i, (student_ids, teacher_ids, row) in enumerate(
+            zip(completions, teacher_completions, scores, strict=True)
+        ):
             alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
             values, signal = student_token_teacher_logprobs(alignment, row.logps.float().cpu())
+            if end_logmass is not None:
+                values = move_teacher_ends(alignment, values, student_ids, self.movable, end_logmass[i])
             carried.append(RowScores(values, signal=signal))
         return carried
 
@@ -229,8 +253,50 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         """The teacher's log-probs of its own spelling of each completion after its own prompt (`prompts` are the
         teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`."""
         teacher_completions = self._respelled(completions)
-        carried = self._carry(completions, teacher_completions, self._score_rows(prompts, teacher_completions))
+        scores = self._score_rows(prompts, teacher_completions)
+        end_logmass = self._end_logmass(prompts, teacher_completions) if self.movable.any() else None
+        carried = self._carry(completions, teacher_completions, scores, end_logmass)
         return batch_rows(answered(carried), len(carried))
+
+    def _end_logmass(self, prompts, teacher_completions) -> list[torch.Tensor]:
+        """Per row and teacher completion token: the log-prob of the teacher writing any token whose bytes start with
+        that token's, less that token's own (0 where none longer does). One more forward of the teacher, in the same
+        agreed chunks as `_score_rows` (collective under ZeRO-3: every rank runs as many), at the run's temperature;
+        only for a pair where a student token's end is the teacher's to say (`movable`)."""
+        trainer = self.trainer
+        args = trainer.args
+        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+        chunks = collective.agreed_chunks(trainer.accelerator, len(prompts), batch_size)
+        if not chunks:
+            return []
+        num_rows = len(prompts)
+        prompts, completions = (prompts, teacher_completions) if num_rows else ([[self.pad_id]], [[self.pad_id]])
+        prompt_ids, prompt_mask = left_padded(prompts, self.pad_id)
+        completion_ids, completion_mask = completion_padded(completions, self.pad_id)
+        device = trainer.accelerator.device
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
+        width = completion_ids.size(1)
+        rows = []
+        for chunk in chunks:
+            stand_in = chunk.start >= num_rows  # a rank with fewer rows joins the collective on its first row again
+            chunk = slice(0, 1) if chunk.start >= input_ids.size(0) else chunk
+            with torch.no_grad():
+                logits = self.model(
+                    input_ids=input_ids[chunk], attention_mask=attention_mask[chunk], logits_to_keep=width + 1
+                ).logits
+            logps = (logits[:, :-1].float() / trainer.temperature).log_softmax(-1).cpu()
+            if stand_in:
+                continue
+            for offset in range(logps.size(0)):
+                tokens = completions[chunk.start + offset]
+                moved = torch.zeros(len(tokens))
+                for j, token_id in enumerate(tokens):
+                    longer = self.extensions(token_id)
+                    if len(longer) > 1:
+                        moved[j] = logps[offset, j, longer].logsumexp(0) - logps[offset, j, token_id]
+                rows.append(moved)
+        return rows[:num_rows]
 
 
 class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
@@ -277,6 +343,15 @@ class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
             overlap=args.teacher_server_overlap,
         )
         teacher._refuse_unmapped_ends(trainer.eos_token_ids)
+        if teacher.movable.any():
+            moved = [t for t, m in zip(teacher.student_vocab.token_bytes, teacher.movable) if m]
+            logger.warning(
+                "%d of the student's tokens (%s, ...) end where only the teacher's longer tokens can say: a served "
+                "teacher answers log-probs, not the distribution that moves its 'ends here' off them, so the signal "
+                "there keeps a known defect (docs/cross-tokenizer.md); the same teacher in the process does not.",
+                len(moved),
+                ", ".join(repr(t.decode(errors="replace")) for t in moved[:5]),
+            )
         return teacher
 
     def score(self, prompts, completions, distribution=False, teachers=None):
