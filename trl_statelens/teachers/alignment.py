@@ -186,7 +186,7 @@ def move_teacher_ends(
     end_logmass: torch.Tensor,
 ) -> torch.Tensor:
     """`values` from [`student_token_teacher_logprobs`] with the teacher's "its token ends here" moved to where the
-    student says it (docs/cross-tokenizer.md, "Known defect"). `end_logmass` `(n_teacher,)`: per teacher token, the
+    student says it (docs/cross-tokenizer.md, "A defect found, and fixed"). `end_logmass` `(n_teacher,)`: per teacher token, the
     log-prob of the teacher writing any token whose bytes start with its bytes less the log-prob of that token (0
     where no longer token does). For each student token that carries a value and ends where a teacher token ends,
     if the student's vocabulary cannot go on from that token (`movable[id]`, e.g. a single digit), that teacher
@@ -244,7 +244,7 @@ class MappedDistribution(NamedTuple):
 
 
 def student_tokens_the_teacher_extends(student_vocab: ByteVocabulary, teacher_vocab: ByteVocabulary) -> list[bytes]:
-    """The student's tokens whose end the per-token signal misplaces (docs/cross-tokenizer.md, "Known defect"): no
+    """The student's tokens whose end the per-token signal misplaces (docs/cross-tokenizer.md, "A defect found, and fixed"): no
     other student token starts with their bytes, so the student's log-prob of one says nothing of where the text's
     token ends, while a longer teacher token does start with them, so the teacher's log-prob there does. Sorted."""
     student = sorted({spelled for spelled in student_vocab.token_bytes if spelled})
