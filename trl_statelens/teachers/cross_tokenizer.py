@@ -253,22 +253,24 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         """The teacher's log-probs of its own spelling of each completion after its own prompt (`prompts` are the
         teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`."""
         teacher_completions = self._respelled(completions)
-        scores = self._score_rows(prompts, teacher_completions)
-        end_logmass = self._end_logmass(prompts, teacher_completions) if self.movable.any() else None
+        if self.movable.any():
+            scores, end_logmass = self._scores_and_end_logmass(prompts, teacher_completions)
+        else:
+            scores, end_logmass = self._score_rows(prompts, teacher_completions), None
         carried = self._carry(completions, teacher_completions, scores, end_logmass)
         return batch_rows(answered(carried), len(carried))
 
-    def _end_logmass(self, prompts, teacher_completions) -> list[torch.Tensor]:
-        """Per row and teacher completion token: the log-prob of the teacher writing any token whose bytes start with
-        that token's, less that token's own (0 where none longer does). One more forward of the teacher, in the same
-        agreed chunks as `_score_rows` (collective under ZeRO-3: every rank runs as many), at the run's temperature;
-        only for a pair where a student token's end is the teacher's to say (`movable`)."""
+    def _scores_and_end_logmass(self, prompts, teacher_completions) -> tuple[list[RowScores], list[torch.Tensor]]:
+        """`_score_rows`' answers, and per row and teacher completion token the log-prob of the teacher writing any
+        token whose bytes start with that token's, less that token's own (0 where none longer does), from one forward
+        over the whole vocabulary at the run's temperature, in the same agreed chunks (collective under ZeRO-3:
+        every rank runs as many). For a pair where a student token's end is the teacher's to say (`movable`)."""
         trainer = self.trainer
         args = trainer.args
         batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
         chunks = collective.agreed_chunks(trainer.accelerator, len(prompts), batch_size)
         if not chunks:
-            return []
+            return [], []
         num_rows = len(prompts)
         prompts, completions = (prompts, teacher_completions) if num_rows else ([[self.pad_id]], [[self.pad_id]])
         prompt_ids, prompt_mask = left_padded(prompts, self.pad_id)
@@ -277,7 +279,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
         width = completion_ids.size(1)
-        rows = []
+        scores, rows = [], []
         for chunk in chunks:
             stand_in = chunk.start >= num_rows  # a rank with fewer rows joins the collective on its first row again
             chunk = slice(0, 1) if chunk.start >= input_ids.size(0) else chunk
@@ -290,13 +292,16 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
                 continue
             for offset in range(logps.size(0)):
                 tokens = completions[chunk.start + offset]
+                scores.append(
+                    RowScores(logps[offset, torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)])
+                )
                 moved = torch.zeros(len(tokens))
                 for j, token_id in enumerate(tokens):
                     longer = self.extensions(token_id)
                     if len(longer) > 1:
                         moved[j] = logps[offset, j, longer].logsumexp(0) - logps[offset, j, token_id]
                 rows.append(moved)
-        return rows[:num_rows]
+        return scores[:num_rows], rows[:num_rows]
 
 
 class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
