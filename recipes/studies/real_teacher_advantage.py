@@ -2,6 +2,11 @@
 to dev problems behind the student's prompt and behind each teacher view (the self teacher's privileged prompts).
 
     python recipes/studies/real_teacher_advantage.py [--data ../shared/data] [--n 32] [--out runs/real-study]
+        [--model smollm2-135m]
+
+`--model gemma3-270m` (after `make install-gemma3`) measures Gemma 3 270M behind the same views, in its own chat
+template, the end of its turn (`<end_of_turn>`, what SmolLM2's `<|im_end|>` maps to) as the end token: what a teacher
+of another family would read and want.
 
 Views, all in the model's chat template:
 - `student`: the question alone (what the student sees);
@@ -37,6 +42,7 @@ from trl_statelens.data import shots_context as format_shots
 from trl_statelens.evaluation.gsm8k import GSM8KTask
 from trl_statelens.real_models import SMOLLM2
 from trl_statelens.reports.runs import resolve_model
+from trl_statelens.teachers.byte_vocab import chat_turn_tokens
 
 DEV_SIZE, NUM_SHOTS, SPLIT_SEED = 200, 4, 2026
 VIEWS = ("student", "shots", "chat_shots", "solution")
@@ -96,12 +102,21 @@ def end_probability(model, tokenizer, prompts: list[str], answers: list[str]) ->
     return probabilities
 
 
-def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS) -> dict:
+def end_turn_with_its_token(model, tokenizer) -> None:
+    """Make the token that ends an assistant turn in the chat template the one generation stops at and
+    `end_probability` reads (Gemma ends a turn with `<end_of_turn>`, not its `<eos>`; SmolLM2's is its eos)."""
+    end = chat_turn_tokens(tokenizer, set(tokenizer.all_special_ids)).get("end_of_turn", tokenizer.eos_token_id)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(end)
+    model.generation_config.eos_token_id = end
+
+
+def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS, model_name: str = SMOLLM2) -> dict:
     if not (data / "gsm8k").is_dir():
         sys.exit(f"needs real GSM8K at {data / 'gsm8k'} (see ../shared/data/README.md)")
-    path = resolve_model(SMOLLM2)
+    path = resolve_model(model_name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    end_turn_with_its_token(model, tokenizer)
     dev, pool = real_splits(data)
     rows = dev[:n]
     task = GSM8KTask(str(data / "gsm8k"), "train", prompt_format="chat", max_new_tokens=max_new_tokens)
@@ -131,9 +146,9 @@ def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS) -> dic
         }
         print(view, {k: v for k, v in results[view].items() if k != "example"}, flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
+        saved.write_text(json.dumps({"model": model_name, "n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({"n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
+    saved.write_text(json.dumps({"model": model_name, "n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
     return results
 
 
@@ -144,5 +159,6 @@ if __name__ == "__main__":
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
     parser.add_argument("--views", nargs="+", default=list(VIEWS), choices=VIEWS, help="measure these again")
+    parser.add_argument("--model", default=SMOLLM2, help="the model behind the views (smollm2-135m, gemma3-270m)")
     args = parser.parse_args()
-    main(args.data, args.n, args.out, args.max_new_tokens, args.views)
+    main(args.data, args.n, args.out, args.max_new_tokens, args.views, args.model)

@@ -41,6 +41,12 @@ def _check_columns(dataset, args: OnPolicyDistillConfig, what: str) -> None:
             f"teacher_prompt_template={args.teacher_prompt_template!r}, which needs each row's privileged context in "
             f"a 'privileged_context' column, absent from {what} (columns: {columns})"
         )
+    if args.teacher_reads_context and "privileged_context" not in columns:
+        raise ValueError(
+            f"teacher_reads_context=True: the teacher reads each row's privileged context before its prompt, from a "
+            f"'privileged_context' column, absent from {what} (columns: {columns}); add one (recipes: "
+            "--context_shots) or leave teacher_reads_context False"
+        )
     if args.state_source_mix.get("dataset", 0.0) > 0 and args.reference_column not in columns:
         raise ValueError(
             f"state_source_mix uses 'dataset' states, which need reference answers in column "
@@ -51,7 +57,7 @@ def _check_columns(dataset, args: OnPolicyDistillConfig, what: str) -> None:
 def row_columns(args: OnPolicyDistillConfig) -> list[str]:
     """The columns whose values `check_rows` reads."""
     columns = ["prompt"]
-    if args.teacher_model_kind is not None:
+    if args.teacher_model_kind is not None or args.teacher_reads_context:
         columns.append("privileged_context")
     if args.state_source_mix.get("dataset", 0.0) > 0:
         columns.append(args.reference_column)
@@ -74,12 +80,12 @@ def check_rows(columns: dict[str, list], args: OnPolicyDistillConfig, what: str 
         "OnPolicyDistillTrainer supports text only (its loss and the teacher see token ids, never the images): drop "
         "the image parts to train on the text alone, or use TRL's GRPOTrainer or GOLDTrainer for vision-language data",
     )
-    if args.teacher_model_kind is not None:
+    if args.teacher_model_kind is not None or args.teacher_reads_context:
         refuse(
             [i for i, context in enumerate(columns["privileged_context"]) if context is None],
             "have no privileged_context (None)",
-            f"the self teacher's prompt is {args.teacher_prompt_template!r}: give every row a privileged_context (an "
-            "empty string for none)",
+            f"the teacher reads it before its prompt ({args.teacher_prompt_template!r} for text): give every row a "
+            "privileged_context (an empty string for none)",
         )
         refuse(
             [
@@ -88,7 +94,7 @@ def check_rows(columns: dict[str, list], args: OnPolicyDistillConfig, what: str 
                 if isinstance(prompt, list) and prompt[-1:] and not _ends_with_user(prompt)
             ],
             "have a conversational prompt that does not end with a user message",
-            "the self teacher's teacher_prompt_template fills the last user message: end each prompt with one",
+            "the teacher's prompt (teacher_prompt_template) fills the last user message: end each prompt with one",
         )
     if args.state_source_mix.get("dataset", 0.0) > 0:
         refuse(

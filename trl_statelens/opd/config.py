@@ -227,6 +227,14 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             prompt, the text of its last user message, which the filled template replaces, as TRL's `SDFTTrainer`
             does) and `{privileged_context}` the row's `privileged_context`. It is tokenised as the student's prompt
             is (the chat template for conversational prompts).
+        teacher_reads_context (`bool`, *optional*, defaults to `False`):
+            A separate teacher (`teacher_model`, in the process or served, of the student's tokenizer or another)
+            reads each row's `privileged_context` before its prompt, as a self teacher does: solved exchanges (user
+            and assistant turns, `load_gsm8k(..., context_format="chat")`) before a conversational prompt as turns of
+            its chat template, other context filled into `teacher_prompt_template`. The student never sees it. The
+            training dataset needs a `privileged_context` column; the teacher's extra prompt tokens count in its
+            FLOPs (`statelens/teacher_context_tokens`). Probes measure no teacher disagreement then (their prompts
+            have no context).
 
         > Teacher behind a vLLM server
 
@@ -327,6 +335,10 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     teacher_prompt_template: str = field(
         default="{prompt}\n\n{privileged_context}",
         metadata={"help": "The self teacher's prompt, from the row's {prompt} and its {privileged_context}."},
+    )
+    teacher_reads_context: bool = field(
+        default=False,
+        metadata={"help": "A separate teacher reads each row's privileged_context before its prompt."},
     )
 
     # ----- a teacher behind a vLLM server ----------------------------------------------------------------------------

@@ -120,7 +120,10 @@ class ConfigChecks:
                 self.teacher_cache_steps > 1 and learner,
             ),
             "teacher_update_rate": ("teacher_model_kind='ema'", self.teacher_model_kind == "ema"),
-            "teacher_prompt_template": ("a teacher_model_kind", self.teacher_model_kind is not None),
+            "teacher_prompt_template": (
+                "a teacher_model_kind or teacher_reads_context",
+                self.teacher_model_kind is not None or self.teacher_reads_context,
+            ),
             "teacher_model_init_kwargs": ("a teacher loaded from a path or hub id", loads_a_path is not False),
             "teacher_top_k": ("signal='divergence' with a served teacher", divergence and maybe_served),
             **{name: ("a served teacher", maybe_served) for name in SERVER_SETTINGS},
@@ -253,6 +256,14 @@ class ConfigChecks:
             )
 
     def _check_self_teacher_settings(self):
+        if self.teacher_model_kind is not None and self.teacher_reads_context:
+            raise ValueError(
+                f"teacher_reads_context=True with teacher_model_kind={self.teacher_model_kind!r}: a self teacher always "
+                "reads the row's privileged_context (teacher_prompt_template); teacher_reads_context is for a "
+                "separate teacher. Leave it False"
+            )
+        if self.teacher_reads_context or self.teacher_model_kind is not None:
+            self._check_context_template()
         if self.teacher_model_kind is None:
             return
         if self.teacher_model_kind not in TEACHER_MODEL_KINDS:
@@ -273,6 +284,8 @@ class ConfigChecks:
                 "which save_only_model skips, so no checkpoint could resume the teacher it averaged (a resume would "
                 "start a new average). Leave save_only_model=False, or use teacher_model_kind='base' or 'live'"
             )
+
+    def _check_context_template(self):
         missing = [p for p in ("{prompt}", "{privileged_context}") if p not in self.teacher_prompt_template]
         if missing:
             raise ValueError(

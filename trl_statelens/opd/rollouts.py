@@ -13,6 +13,7 @@ from trl.trainer.utils import pad
 
 from .. import collective
 from ..lens.records import source_code
+from ..teachers.self_teacher import with_context
 from .checks import check_rows, row_columns
 from .config import MIX_SOURCES
 from .selection import select_and_score
@@ -111,6 +112,23 @@ class RolloutsMixin:
             )
         return teachers
 
+    def _teacher_prompts(self, prompt_ids, rows):
+        """The prompt the teacher reads for each row; with `teacher_reads_context`, the row's prompt shown its
+        privileged context (`with_context`), which a teacher of the student's tokenizer reads in the student's
+        tokenization and one of another tokenizer renders in its own chat template (`ReadsText.prompts`)."""
+        if self.args.teacher_reads_context and rows:
+            rows = [
+                {
+                    **row,
+                    "prompt": with_context(
+                        row["prompt"], row["privileged_context"], self.args.teacher_prompt_template
+                    ),
+                }
+                for row in rows
+            ]
+            prompt_ids = [list(ids) for ids in self._tokenize_prompts([row["prompt"] for row in rows])[0]]
+        return self.teacher.prompts(prompt_ids, rows)
+
     def _generate(self, prompts):
         length = self._set_rollout_length()
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
@@ -118,7 +136,7 @@ class RolloutsMixin:
         )
         batch = self._rollout_batch
         # The teacher reads its own prompts (a self teacher's hold the row's privileged context), the student its own
-        batch.teacher_prompts = teacher_prompts = self.teacher.prompts(prompt_ids, batch.rows)
+        batch.teacher_prompts = teacher_prompts = self._teacher_prompts(prompt_ids, batch.rows)
         self._count_teacher_context(teacher_prompts, prompt_ids)
         swap = [i for i, s in enumerate(batch.sources) if s != "learner"]
         teacher_rows = [i for i in swap if batch.sources[i] == "teacher"]

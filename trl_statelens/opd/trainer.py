@@ -237,8 +237,12 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         # served teacher, several teachers)
         self.teacher_model = self.teacher.model
         # The teacher the probe's disagreement scores on the probe prompts (StateLoggingCallback): none for a teacher
-        # that reads prompts of its own, which the probe prompts do not hold
-        reads_probes = self.teacher.reads_student_ids and not self.teacher.reads_own_prompts
+        # that reads prompts of its own or a privileged context, which the probe prompts do not hold
+        reads_probes = (
+            self.teacher.reads_student_ids
+            and not self.teacher.reads_own_prompts
+            and not self.args.teacher_reads_context
+        )
         self.probe_teacher_model = self.teacher.model if reads_probes else None
         if self.use_vllm and args.signal != "reverse_kl":
             # Only the reverse_kl policy gradient runs on tokens vLLM sampled; continuation trains on the teacher's

@@ -57,8 +57,9 @@ class RecipeArguments:
         dataset_name: training data: `"lab"` (the offline world), a hub id (`"openai/gsm8k"`) or a local file/folder.
         prompt_format: `"plain"` (`Question: ...\\nAnswer:`, the study's format for base models) or `"chat"`.
         train_size: keep this many training rows (a seeded subset); all when unset.
-        context_shots: a self teacher's privileged context is this many solved train problems (the same for every
-            row) instead of each row's reference solution; 0 (default) for the solution.
+        context_shots: the privileged context a self teacher reads (or a separate one, with
+            `--teacher_reads_context true`) is this many solved train problems (the same for every row) instead of
+            each row's reference solution; 0 (default) for the solution.
         context_format: how those solved problems are shown: `"text"` (default: one text filled into the teacher's
             template) or `"chat"` (user/assistant exchanges before the student's conversation, each closed by the chat
             template's end token; needs `prompt_format: chat`).

@@ -113,20 +113,7 @@ class SelfTeacher(InProcessTeacher):
         return [list(ids) for ids in self.trainer._tokenize_prompts(texts)[0]]
 
     def fill(self, prompt, privileged_context):
-        """The teacher's prompt (text or conversation) for a row. Solved exchanges (`is_exchanges`: user and assistant
-        turns, as `load_gsm8k(..., context_format="chat")` writes them) before a conversational prompt are read as those
-        turns, after the prompt's system message if it has one: each shot's answer is then closed by the chat
-        template's end token, as the student's answers are, and the template is not used. Any other context is text,
-        filled into the template."""
-        if is_exchanges(privileged_context) and is_conversational({"prompt": prompt}):
-            system = [message for message in prompt[:1] if message.get("role") == "system"]
-            return [*system, *privileged_context, *prompt[len(system) :]]
-        context = _as_text(privileged_context)
-        if not is_conversational({"prompt": prompt}):
-            return self.template.format(prompt=prompt, privileged_context=context)
-        last = prompt[-1]
-        text = self.template.format(prompt=_as_text([last]), privileged_context=context)
-        return [*prompt[:-1], {**last, "content": text}]
+        return with_context(prompt, privileged_context, self.template)
 
     def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
         with self.weights.applied():
@@ -236,6 +223,24 @@ def _weights(kind: str, trainer, student_path: str | None) -> TeacherWeights:
     if kind == "ema":
         return AveragedCopy(trainer, student_path)
     return CopiedWeights(trainer, student_path)
+
+
+def with_context(prompt, privileged_context, template: str):
+    """A teacher's prompt (text or conversation) for a row: its `prompt` shown `privileged_context`. Solved exchanges
+    (`is_exchanges`: user and assistant turns, as `load_gsm8k(..., context_format="chat")` writes them) before a
+    conversational prompt are read as those turns, after the prompt's system message if it has one: each shot's answer
+    is then closed by the chat template's end token, as the student's answers are, and `template` is not used. Any
+    other context is text, filled into `template` (`{prompt}`: the prompt, or a conversation's last user message,
+    which the filled template replaces)."""
+    if is_exchanges(privileged_context) and is_conversational({"prompt": prompt}):
+        system = [message for message in prompt[:1] if message.get("role") == "system"]
+        return [*system, *privileged_context, *prompt[len(system) :]]
+    context = _as_text(privileged_context)
+    if not is_conversational({"prompt": prompt}):
+        return template.format(prompt=prompt, privileged_context=context)
+    last = prompt[-1]
+    text = template.format(prompt=_as_text([last]), privileged_context=context)
+    return [*prompt[:-1], {**last, "content": text}]
 
 
 def is_exchanges(value) -> bool:
