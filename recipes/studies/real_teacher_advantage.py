@@ -146,9 +146,13 @@ def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS, model_
         }
         print(view, {k: v for k, v in results[view].items() if k != "example"}, flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"model": model_name, "n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
+        saved.write_text(
+            json.dumps({"model": model_name, "n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2)
+        )
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({"model": model_name, "n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2))
+    saved.write_text(
+        json.dumps({"model": model_name, "n": n, "max_new_tokens": max_new_tokens, "views": results}, indent=2)
+    )
     return results
 
 
