@@ -89,6 +89,17 @@ def teacher_path(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def other_teacher_path(tmp_path_factory, world):
+    """A `test`-size model with a second lab tokenizer: other merges (700 tokens) and digit runs kept whole (a teacher
+    of another tokenizer: `tests/test_cross_tokenizer_*.py`)."""
+    tokenizer = build_tokenizer(world, vocab_size=700, num_documents=500, individual_digits=False)
+    path = tmp_path_factory.mktemp("other_teacher")
+    build_model("test", tokenizer, seed=3).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def math_dataset(world):
     """64 GSM8K-format training rows in TRL's prompt-completion layout (plain format, as in the study)."""
     rows = world.math("train", n=64)

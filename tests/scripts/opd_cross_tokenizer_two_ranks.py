@@ -1,12 +1,14 @@
 """On-policy distillation from a teacher of another tokenizer on two DDP ranks, launched by
 tests/test_cross_tokenizer_teacher.py with `accelerate launch --multi_gpu --num_processes 2`.
 
-Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_ranks.py STUDENT TEACHER OUT [SAME]
+Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_ranks.py STUDENT TEACHER OUT [SAME
+[SETTINGS]]
 
 Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, the teacher's class) and the exact and
 supervised tokens of its own rows per step, counted from its batches, with the teacher of each row; the trainer's
 `alignment/exact` is summed over both ranks. With SAME (a teacher of the student's tokenizer), the two are routed:
 prompts alternate between `same` and `other` (TEACHER), so a rank can hold only same-tokenizer rows at a step.
+SETTINGS, a JSON object, are further `OnPolicyDistillConfig` settings (`signal`, `state_source_mix`).
 """
 
 import json
@@ -31,6 +33,7 @@ from trl_statelens.teachers.alignment import TeacherSignal  # noqa: E402
 torch.set_num_threads(1)
 student_path, teacher_path, output_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 same_path = sys.argv[4] if len(sys.argv) > 4 else None
+settings = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 rows = LabWorld(seed=0).math("train", n=16)
 dataset = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in rows])
 if same_path is not None:
@@ -47,6 +50,7 @@ trainer = OnPolicyDistillTrainer(
         learning_rate=1e-3,
         temperature=1.0,
         **CPU,
+        **settings,
     ),
     train_dataset=dataset,
     callbacks=[StateLoggingCallback(sample_rate=1.0)],

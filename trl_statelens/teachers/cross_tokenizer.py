@@ -9,10 +9,12 @@ for a chunk (the smallest run of student tokens that does) the teacher's log-pro
 token, with `RowScores.signal` saying which. The `reverse_kl` loss (`opd/loss.py`) compares the student's log-prob of
 each chunk with the teacher's and gives every token of the chunk the chunk's advantage.
 
-Only `reverse_kl` for now: `continuation` (the teacher's text tokenized for the student) and `divergence` (the
-teacher's distribution carried by [`alignment.map_next_token_distribution`]) are refused, as are teacher-written
-states. Several routed teachers may include such teachers ([`TeacherRouter`]: each row is read in its own teacher's
-tokens).
+The teacher writes in its own tokens (`signal="continuation"`, and `teacher` states in `state_source_mix`): it
+reads its own prompt and the student's prefix respelled, stops at its tokens that stand for the student's end tokens,
+and its text is tokenized again for the student, special tokens carried back by role
+([`ReadsText.student_continuation`]). `divergence` (the teacher's distribution carried by
+[`alignment.map_next_token_distribution`]) is refused. Several routed teachers may include such teachers
+([`TeacherRouter`]: each row is read in its own teacher's tokens).
 """
 
 from __future__ import annotations
@@ -28,14 +30,26 @@ from .alignment import (
     student_token_teacher_logprobs,
     student_tokens_the_teacher_extends,
 )
-from .base import RowScores, answered, batch_rows
-from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
+from .base import RowScores, answered, batch_rows, joined
+from .byte_vocab import ByteVocabulary, byte_vocabulary, special_token_map, unmapped_special_message
 from .in_process import InProcessTeacher, prepare_teacher_model, stand_in_chunk
 from .served import ServedTeacher
 from .server_client import TeacherServerClient
-from .vocabulary import read_tokenizer, token_id_mismatch
+from .vocabulary import read_tokenizer, token_id_mismatch, vocab_size
 
 logger = logging.getLogger(__name__)
+
+# Generation settings whose values are token ids (of the student's tokenizer, in the trainer's settings)
+ID_SETTINGS = (
+    "bad_words_ids",
+    "force_words_ids",
+    "sequence_bias",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "bos_token_id",
+)
 
 
 def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
@@ -58,17 +72,12 @@ def served_teacher(trainer, path: str | None, url: str | None = None) -> ServedT
 
 def refuse_unsupported(args, name: str) -> None:
     """What a teacher of another tokenizer (`name`, for the message) cannot do yet, refused with the way out."""
-    if args.signal != "reverse_kl":
+    if args.signal not in ("reverse_kl", "continuation"):
         raise ValueError(
             f"the teacher's tokenizer ({name}) differs from the student's, and signal={args.signal!r} is not yet "
             "carried across tokenizers: use signal='reverse_kl' (the teacher's log-prob of each student token, "
-            "exact where the tokenizations allow; docs/cross-tokenizer.md), or a teacher of the student's tokenizer"
-        )
-    if args.state_source_mix.get("teacher", 0.0) or args.state_source_mix.get("mixed", 0.0):
-        raise ValueError(
-            f"the teacher's tokenizer ({name}) differs from the student's: teacher-written states (state_source_mix "
-            f"{args.state_source_mix}) would need its text tokenized for the student, which is not yet done; use "
-            "learner states only"
+            "exact where the tokenizations allow; docs/cross-tokenizer.md) or 'continuation' (the teacher's text "
+            "tokenized for the student), or a teacher of the student's tokenizer"
         )
 
 
@@ -90,6 +99,33 @@ def check_before_loading(args, student_tokenizer, path: str) -> None:
         raise ValueError(unmapped_special_message(student_vocab, teacher_vocab, student_tokenizer.eos_token_id))
 
 
+def one_byte_tokens(vocab: ByteVocabulary) -> dict[bytes, int]:
+    """One token per byte, for bytes that are no whole UTF-8 text (a text cut inside a character): the tokenizer's
+    `<0xNN>` token where it has one, else a token that spells that byte alone."""
+    byte_ids = {}
+    for token_id, spelled in enumerate(vocab.token_bytes):
+        if spelled is not None and len(spelled) == 1:
+            if spelled not in byte_ids or token_id in vocab.byte_fallback_ids:
+                byte_ids[spelled] = token_id
+    return byte_ids
+
+
+def tokenized_bytes(data: bytes, tokenizer, byte_ids: dict[bytes, int]) -> list[int]:
+    """`data` as `tokenizer` tokenizes text, each run of bytes that is no whole UTF-8 text as its one-byte tokens."""
+    ids = []
+    while data:
+        try:
+            text, data = data.decode("utf-8"), b""
+        except UnicodeDecodeError as error:
+            text = data[: error.start].decode("utf-8")
+            bad, data = data[error.start : error.end], data[error.end :]
+            ids += tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += [byte_ids[bytes([b])] for b in bad]
+            continue
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
+
+
 class ReadsText:
     """What a teacher of another tokenizer does on the trainer's side, in-process or served: each row's prompt and
     the student's completion in the teacher's tokens, and the teacher's log-probs carried back onto the student's
@@ -99,7 +135,7 @@ class ReadsText:
     crosses_tokenizers = True
 
     def _read_as_text(self, student_tokenizer, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer, self.student_tokenizer = tokenizer, student_tokenizer
         self.student_vocab = byte_vocabulary(student_tokenizer, "the student's")
         self.teacher_vocab = byte_vocabulary(tokenizer)
         self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
@@ -121,12 +157,22 @@ class ReadsText:
         self.pad_id = next(
             i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
         )  # rows are padded with the teacher's own ids
-        # One teacher token per byte, for bytes that are no whole UTF-8 text (a completion cut inside a character)
-        self.byte_ids = {}
-        for token_id, spelled in enumerate(self.teacher_vocab.token_bytes):
-            if spelled is not None and len(spelled) == 1:
-                if spelled not in self.byte_ids or token_id in self.teacher_vocab.byte_fallback_ids:
-                    self.byte_ids[spelled] = token_id
+        self.byte_ids = one_byte_tokens(self.teacher_vocab)
+        self.student_byte_ids = one_byte_tokens(self.student_vocab)
+        # What the teacher writes, read back: its special tokens as the student's of the same role, and each of its
+        # tokens that stands for a student end token back as that end token (not as another token of a shared role),
+        # so that the student's text ends where the teacher's does. The teacher stops at every token that reads back
+        # as a student end: where the student would stop. (A student end without a counterpart is refused when the
+        # teacher is made.)
+        self.student_ends = list(self.trainer.eos_token_ids)
+        mapped_ends = [token_id for token_id in self.student_ends if token_id in self.specials]
+        self.student_specials = special_token_map(self.teacher_vocab, self.student_vocab)
+        self.student_specials.update({self.specials[token_id]: token_id for token_id in reversed(mapped_ends)})
+        self.teacher_ends = sorted(
+            {self.specials[token_id] for token_id in mapped_ends}
+            | {t for t, s in self.student_specials.items() if s in self.student_ends}
+        )
+        self._unreadable_warned = set()
 
     def extensions(self, token_id: int) -> torch.Tensor:
         """The teacher tokens whose bytes start with `token_id`'s (itself included; itself only for a special token)."""
@@ -175,26 +221,51 @@ class ReadsText:
             if spelled is not None:
                 text += spelled
                 continue
-            out += self._tokenize_bytes(text)
+            out += tokenized_bytes(text, self.tokenizer, self.byte_ids)
             text = b""
             if token_id not in self.specials:
                 raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
             out.append(self.specials[token_id])
-        return out + self._tokenize_bytes(text)
+        return out + tokenized_bytes(text, self.tokenizer, self.byte_ids)
 
-    def _tokenize_bytes(self, data: bytes) -> list[int]:
-        ids = []
-        while data:
-            try:
-                text, data = data.decode("utf-8"), b""
-            except UnicodeDecodeError as error:
-                text = data[: error.start].decode("utf-8")
-                bad, data = data[error.start : error.end], data[error.end :]
-                ids += self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-                ids += [self.byte_ids[bytes([b])] for b in bad]
+    def student_continuation(self, teacher_ids: list[int], max_new_tokens: int) -> list[int]:
+        """What the teacher wrote (its new tokens, `teacher_ids`) as the student's tokens, at most `max_new_tokens`:
+        each run of its text spelled in bytes and tokenized by the student's tokenizer, each special token as the
+        student's of the same role, ending after the first student end token. A token with no student counterpart (a
+        special token of no role the student has, an id the teacher's tokenizer has no token at) ends the text before
+        it, with a warning: the student cannot read it, and what follows was written after it. (An in-process teacher
+        is kept from writing those; a served one is not.)"""
+        out, text, vocab = [], b"", self.teacher_vocab.token_bytes
+        for token_id in teacher_ids:
+            spelled = vocab[token_id] if token_id < len(vocab) else None
+            if spelled is not None:
+                text += spelled
                 continue
-            ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids
+            if token_id not in self.student_specials:
+                self._warn_unreadable(token_id)
+                break
+            out += tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids)
+            text = b""
+            out.append(self.student_specials[token_id])
+            if out[-1] in self.student_ends:
+                break
+        return (out + tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids))[:max_new_tokens]
+
+    def _warn_unreadable(self, token_id: int) -> None:
+        if token_id in self._unreadable_warned:
+            return
+        self._unreadable_warned.add(token_id)
+        name = self.teacher_vocab.special_contents.get(token_id, "no token of its tokenizer")
+        logger.warning(
+            "The teacher of another tokenizer wrote id %d (%r), which has no counterpart among the student's tokens: "
+            "its text ends before it (said once per id).",
+            token_id,
+            name,
+        )
+
+    def _teacher_sequences(self, prompts, prefixes) -> list[list[int]]:
+        """Each teacher prompt followed by the student's prefix, if any, in the teacher's tokens."""
+        return joined(prompts, None if prefixes is None else [self.respell(prefix) for prefix in prefixes])
 
     def _carry(self, completions, teacher_completions, scores: list[RowScores], end_logmass=None) -> list[RowScores]:
         """The teacher's log-probs of its own tokens (`scores`, one row per completion) on the student's tokens, with
@@ -217,11 +288,6 @@ class ReadsText:
         self.trainer._count_teacher_context(teacher_completions, completions)
         return teacher_completions
 
-    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
-        if prompts:  # refused before training; an empty call is every rank's collective turn
-            raise RuntimeError("a teacher of another tokenizer does not write states (docs/cross-tokenizer.md)")
-        return []
-
 
 class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
     """An in-process teacher whose tokenizer differs from the student's (see the module docstring).
@@ -236,6 +302,15 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
     def __init__(self, trainer, model, tokenizer):
         InProcessTeacher.__init__(self, trainer, model)
         self._read_as_text(trainer._tokenizer, tokenizer)
+        # What it is kept from writing, as a same-tokenizer teacher is kept from its padding ids: the ids the student
+        # could not read (rows of its output layer its tokenizer has no token at, special tokens of no role the
+        # student has); its distribution is renormalised over the rest
+        spelled = self.teacher_vocab.token_bytes
+        self.unreadable = [
+            i
+            for i in range(vocab_size(self.model))
+            if (i >= len(spelled) or spelled[i] is None) and i not in self.student_specials
+        ]
 
     @classmethod
     def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
@@ -246,6 +321,28 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         teacher = cls(trainer, prepare_teacher_model(trainer, model, same_vocabulary=False), tokenizer)
         teacher._refuse_unmapped_ends(trainer.eos_token_ids)
         return teacher
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        """The teacher's continuation after its own prompt (`prompts` are the teacher's, from `prompts`) and each
+        student prefix, if any, respelled in its tokens; written in its tokens with its own padding, ending at its
+        tokens that stand for the student's ends, and given back in the student's ([`student_continuation`]). One
+        call on every rank while any rank has rows, as [`InProcessTeacher.generate`] (collective under ZeRO-3)."""
+        # Only the continuation is tokenized for the student: the prefix's own tokens are the states supervised, and
+        # tokenizing prefix and continuation together could merge tokens across the cut and change them
+        written = self._written(
+            self._teacher_sequences(prompts, prefixes), max_new_tokens, self.pad_id, self.teacher_ends, self.unreadable
+        )
+        return [self.student_continuation(row, max_new_tokens) for row in written]
+
+    def _generation_config(self):
+        """The trainer's sampling settings, less those that name token ids (`generation_kwargs` such as
+        `bad_words_ids`): they name the student's ids, which mean other text to this teacher. Its own padding, ends and
+        the ids it is kept from writing are set by `generate`."""
+        config = super()._generation_config()
+        for name in ID_SETTINGS:
+            setattr(config, name, None)
+        return config
 
     @torch.no_grad()
     def score(self, prompts, completions, distribution=False, teachers=None):
@@ -347,6 +444,20 @@ class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
                 ", ".join(repr(t.decode(errors="replace")) for t in moved[:5]),
             )
         return teacher
+
+    def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
+        """As [`CrossTokenizerTeacher.generate`], from the server: its continuations stop at the teacher's tokens that
+        stand for the student's ends and are given back in the student's tokens ([`student_continuation`]; the
+        server is not kept from writing a token the student cannot read: the text ends before it)."""
+
+        def written():
+            sequences = self._teacher_sequences(prompts, prefixes)
+            rows = self._continuations(sequences, max_new_tokens, self.teacher_ends)
+            # (only the continuation is tokenized for the student, as in the process)
+            return [self.student_continuation(row, max_new_tokens) for row in rows]
+
+        # Asked on every rank, rows or none: a failed request, or a prefix that cannot be respelled, raises on all
+        return self._on_every_rank(written)
 
     def score(self, prompts, completions, distribution=False, teachers=None):
         """As [`ServedTeacher.score`], on the teacher's spelling of the completions after its own prompts, carried

@@ -74,25 +74,37 @@ class InProcessTeacher(Teacher):
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, prefixes=None, teachers=None):
-        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): one call on every rank
-        # while any rank has rows, a rank without any on a stand-in row whose continuation it drops.
-        sequences = joined(prompts, prefixes)
         trainer = self.trainer
-        if not collective.any_rank_has(trainer.accelerator, len(sequences)):
-            return []
-        pad_id = trainer._tokenizer.pad_token_id
-        device = trainer.accelerator.device
-        input_ids, attention_mask = (t.to(device) for t in left_padded(sequences or [[pad_id]], pad_id))
-        generation_config = trainer_generation_config(trainer)
-        generation_config.max_new_tokens = max_new_tokens
-        # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
-        # continuation ends at its own eos, as a served teacher's does
-        generation_config.min_new_tokens, generation_config.min_length = None, 0
         # A teacher whose output layer is padded past the student's vocabulary never writes those ids (the student
         # could not read them): its distribution is renormalised over the ids both share
         student_vocab, teacher_vocab = map(vocab_size, (trainer.model, self.model))
-        if teacher_vocab > student_vocab:
-            generation_config.suppress_tokens = list(range(student_vocab, teacher_vocab))
+        written = self._written(
+            joined(prompts, prefixes),
+            max_new_tokens,
+            trainer._tokenizer.pad_token_id,
+            trainer.eos_token_ids,
+            list(range(student_vocab, teacher_vocab)),
+        )
+        return _first_eos(written, trainer.eos_token_ids)
+
+    def _written(self, sequences, max_new_tokens, pad_id, eos_token_ids, suppress_tokens) -> list[list[int]]:
+        """The new tokens the teacher writes after each of this rank's `sequences` (its own ids), sampled with the
+        trainer's settings, padded with `pad_id`, ending at `eos_token_ids`, never one of `suppress_tokens`."""
+        # Generation is collective under ZeRO-3 (parameter gathers, synced decoding steps): one call on every rank
+        # while any rank has rows, a rank without any on a stand-in row whose continuation it drops.
+        trainer = self.trainer
+        if not collective.any_rank_has(trainer.accelerator, len(sequences)):
+            return []
+        device = trainer.accelerator.device
+        input_ids, attention_mask = (t.to(device) for t in left_padded(sequences or [[pad_id]], pad_id))
+        generation_config = self._generation_config()
+        generation_config.max_new_tokens = max_new_tokens
+        generation_config.pad_token_id, generation_config.eos_token_id = pad_id, list(eos_token_ids)
+        # A length floor in `generation_kwargs` (`min_new_tokens`) shapes the student's rollouts; the teacher's
+        # continuation ends at its own eos, as a served teacher's does
+        generation_config.min_new_tokens, generation_config.min_length = None, 0
+        if suppress_tokens:
+            generation_config.suppress_tokens = suppress_tokens
         # A teacher that shares the student turns its gradient checkpointing back on after generating: with the run's
         # kwargs, as GRPO's own generation does (TRL forces `use_reentrant=True` for PEFT under ZeRO-3)
         with unwrap_model_for_generation(
@@ -104,7 +116,11 @@ class InProcessTeacher(Teacher):
             out = teacher.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
             )
-        return _first_eos(out[:, input_ids.size(1) :].tolist(), trainer.eos_token_ids)[: len(sequences)]
+        return out[:, input_ids.size(1) :].tolist()[: len(sequences)]
+
+    def _generation_config(self):
+        """The settings it writes with: a copy of the trainer's sampling settings."""
+        return trainer_generation_config(self.trainer)
 
     @torch.no_grad()
     def score(self, prompts, completions, distribution=False, teachers=None):

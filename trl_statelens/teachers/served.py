@@ -78,12 +78,15 @@ class ServedTeacher(Teacher):
         # Asked on every rank, rows or none: a request failed on any rank raises on all of them
         return self._on_every_rank(lambda: self._continuations(sequences, max_new_tokens))
 
-    def _continuations(self, sequences, max_new_tokens) -> list[list[int]]:
+    def _continuations(self, sequences, max_new_tokens, eos_token_ids=None) -> list[list[int]]:
+        """Each sequence's continuation, ending at its first token in `eos_token_ids` (default: the teacher's
+        `eos_token_ids`)."""
         if not sequences:
             return []
         # A seed per row (vLLM would sample a request's identical prefixes alike), drawn from the run's seed
         seeds = torch.randint(2**31 - 1, (len(sequences),), generator=self.seed_generator).tolist()
-        return self.server.generate(sequences, max_new_tokens, self.eos_token_ids, **self.sampling, seeds=seeds)
+        ends = self.eos_token_ids if eos_token_ids is None else eos_token_ids
+        return self.server.generate(sequences, max_new_tokens, ends, **self.sampling, seeds=seeds)
 
     def score(self, prompts, completions, distribution=False, teachers=None):
         """One request for the batch (each row without its padding), from the background worker during an

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 logger = logging.getLogger(__name__)
 
 CROSS_TOKENIZER_HINT = (
-    "Use a teacher with the student's tokenizer; or, for signal='reverse_kl', teachers given by paths that hold their "
-    "own tokenizers (in-process or served, one or several routed; read as text in their tokens: "
+    "Use a teacher with the student's tokenizer; or, for signal='reverse_kl' or 'continuation', teachers given by paths that "
+    "hold their own tokenizers (in-process or served, one or several routed; read as text in their tokens: "
     "docs/cross-tokenizer.md); or TRL's GOLDTrainer."
 )
 
