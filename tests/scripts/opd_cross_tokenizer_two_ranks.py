@@ -6,7 +6,9 @@ Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_r
 Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, the teacher's class) and the exact and
 supervised tokens of its own rows per step, counted from its batches, with the teacher of each row; the trainer's
 `alignment/exact` is summed over both ranks. With SAME (a teacher of the student's tokenizer), the two are routed:
-prompts alternate between `same` and `other` (TEACHER), so a rank can hold only same-tokenizer rows at a step.
+prompts alternate between `same` and `other` (TEACHER), so a rank can hold only same-tokenizer rows at a step. With
+`OPD_SIGNAL=divergence` in the environment, the signal is `divergence`, and each step's counts add the supervised
+positions given a distribution of the teacher (a same-tokenizer row's all, another's where both tokenizations cut).
 """
 
 import json
@@ -46,6 +48,7 @@ trainer = OnPolicyDistillTrainer(
         max_completion_length=24,
         learning_rate=1e-3,
         temperature=1.0,
+        signal=os.environ.get("OPD_SIGNAL", "reverse_kl"),
         **CPU,
     ),
     train_dataset=dataset,
@@ -55,11 +58,25 @@ counts, teachers = [], []  # per step on this rank: (exact supervised tokens, su
 compute_loss = trainer._compute_loss
 
 
+def mapped_positions(inputs, supervised) -> int:
+    """The supervised positions with a distribution of the teacher: a row the teacher read as text (`TextReading`)
+    has one where its alignment is synchronised."""
+    mapped = supervised.clone()
+    for i, row in enumerate(inputs["teacher_scores"] or []):
+        if row is not None:
+            synchronised = torch.zeros_like(mapped[i])
+            synchronised[row.scores.result()[row.index].alignment.synchronised[:, 0]] = True
+            mapped[i] &= synchronised
+    return int(mapped.sum())
+
+
 def counting_loss(model, inputs):
     if model.training:
         signal = resolved_signal(inputs["teacher_scores"], inputs["completion_ids"])
         supervised = inputs["completion_mask"].bool()
         counts.append([int(((signal == TeacherSignal.EXACT) & supervised).sum()), int(supervised.sum())])
+        if trainer.args.signal == "divergence":
+            counts[-1].append(mapped_positions(inputs, supervised))
         teachers.append(inputs["teacher"])
     return compute_loss(model, inputs)
 

@@ -26,7 +26,8 @@ its own module:
   the student's own (live, or a PEFT student's base), a copy (its weights at the start, or an exponential average),
   or an average of a PEFT student's adapter;
 - [`CrossTokenizerTeacher`] (`cross_tokenizer.py`): an in-process teacher of another tokenizer, reading the rows as
-  text in its own tokens, its log-probs carried back onto the student's (`byte_vocab.py`, `alignment.py`);
+  text in its own tokens, its log-probs carried back onto the student's (`byte_vocab.py`, `alignment.py`), and with
+  `divergence` its distributions where both tokenizations cut;
 - [`TeacherRouter`] (`router.py`): several teachers, each row sent to the teacher of its `teacher_id` (in-process and
   served mixed).
 
