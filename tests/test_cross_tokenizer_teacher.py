@@ -1,6 +1,7 @@
 """A teacher of another tokenizer in the trainer (`teachers/cross_tokenizer.py`, issue 45): the same tokenizer sent
-through the cross-tokenizer path trains exactly as the direct path does; another lab tokenizer's teacher gives the
-student's tokens its own log-probs of the same text, chunk by chunk."""
+through the cross-tokenizer path trains exactly as the direct path does, with `reverse_kl` and with `divergence`;
+another lab tokenizer's teacher gives the student's tokens its own log-probs of the same text, chunk by chunk, and
+its next-token distributions where both tokenizations cut."""
 
 import json
 import sys
@@ -198,17 +199,18 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         assert share < exact[step - 1]
 
 
-def test_what_a_teacher_of_another_tokenizer_cannot_do_yet_is_refused_before_any_model_loads(
+def test_divergence_from_a_served_teacher_of_another_tokenizer_is_refused_before_any_model_loads(
     tmp_path, student_path, other_teacher_path, math_dataset, monkeypatch
 ):
-    """`divergence` is refused before anything loads, with the signals that are carried as the way out
-    (`continuation` and teacher-written states are: `tests/test_cross_tokenizer_writing.py`)."""
+    """A server answers top-k log-probs, not the distribution `divergence` carries across tokenizers: refused before
+    anything loads or connects, with the way out. (In the process `divergence` is carried, above; `continuation` and
+    teacher-written states are carried from either: `tests/test_cross_tokenizer_writing.py`.)"""
     monkeypatch.setattr(opd_trainer, "load_teacher", lambda *a: pytest.fail("the teacher loaded before the refusal"))
-    with pytest.raises(ValueError, match="not yet carried across tokenizers.*'continuation'"):
+    with pytest.raises(ValueError, match="server answers top-k.*'continuation'"):
         OnPolicyDistillTrainer(
             model=str(student_path),
             teacher_model=str(other_teacher_path),
-            args=opd_config(tmp_path, signal="divergence"),
+            args=opd_config(tmp_path, signal="divergence", teacher_model_server_url="http://127.0.0.1:9"),
             train_dataset=math_dataset,
         )
 
@@ -294,6 +296,37 @@ def test_routed_teachers_of_two_tokenizers_on_two_ranks(
         exact = sum(rank["counts"][step][0] for rank in ranks)
         total = sum(rank["counts"][step][1] for rank in ranks)
         assert logged[step] == pytest.approx(exact / total)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_routed_divergence_of_two_tokenizers_on_two_ranks(
+    tmp_path, math_trained_path, math_teacher_path, other_teacher_path
+):
+    """`divergence` from a router with a teacher of the student's tokenizer and one of another, on two DDP ranks
+    whose rows differ (at a step one rank may hold only one teacher's rows): every rank makes as many calls of each
+    collective (the teachers' agreed forwards included), training goes on, and `alignment/mapped` is the share of
+    both ranks' supervised positions given a distribution, as each rank counted them from its own batch."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(Path(__file__).parent / "scripts" / "opd_cross_tokenizer_two_ranks.py"), str(math_trained_path),
+        str(other_teacher_path), str(tmp_path), str(math_teacher_path), json.dumps({"signal": "divergence"}),
+    ]  # fmt: skip
+    environment = {"TOKENIZERS_PARALLELISM": "false"}
+    launch(command, environment, timeout=300, outputs=tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rank in ranks:
+        assert (rank["world_size"], rank["backend"], rank["teacher"]) == (2, "gloo", "TeacherRouter")
+        assert len(rank["counts"]) == 2
+    assert any({*ranks[0]["teachers"][s]} != {*ranks[1]["teachers"][s]} for s in range(2))
+    logged = [e["alignment/mapped"] for e in ranks[0]["log_history"] if "alignment/mapped" in e]
+    assert len(logged) == 2 and min(logged) < 1.0
+    for step in range(2):
+        mapped = sum(rank["counts"][step][2] for rank in ranks)
+        total = sum(rank["counts"][step][1] for rank in ranks)
+        assert logged[step] == pytest.approx(mapped / total)
 
 
 def test_routed_teachers_of_two_tokenizers_each_score_their_own_rows(
@@ -391,3 +424,203 @@ def test_a_served_teacher_of_another_tokenizer_scores_as_the_same_teacher_in_pro
         trainer.train()
     shares = [e["alignment/exact"] for e in trainer.state.log_history if "alignment/exact" in e]
     assert len(shares) == 2 and all(0.0 < share <= 1.0 for share in shares)
+
+
+def _batch_and_hidden(trainer, rows):
+    """A generation batch of `rows` (two rollouts each) and the student's final hidden states at its completion
+    positions, a leaf that collects the gradient."""
+    from trl_statelens.heads import _completion_hidden_states
+
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        hidden = _completion_hidden_states(trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1))
+    return batch, hidden.detach().requires_grad_(True)
+
+
+def _loss_and_gradients(teacher, student, hidden, batch, beta, temperature):
+    """`teacher.divergence_loss` on `batch` (a mean over its tokens, as a step's) and its gradients in the student's
+    hidden states and output layer."""
+    mask = batch["completion_mask"].float()
+    out = teacher.divergence_loss(student, hidden, batch, mask, mask.sum(), beta, temperature)
+    head = student.get_output_embeddings().weight
+    return (out.loss.detach(), *torch.autograd.grad(out.loss, (hidden, head))), out
+
+
+def test_same_tokenizer_through_the_cross_tokenizer_path_gives_the_same_divergence(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset
+):
+    """`divergence` with one tokenizer on both sides: through `CrossTokenizerTeacher` every position is synchronised
+    and each distribution is carried over whole (nothing left over), so the loss and its gradient on one batch equal
+    the same-tokenizer path's (TRL's kernel) at forward KL, JSD and reverse KL, at another temperature too, and after
+    a training step the parameters are the same, to float precision."""
+    runs, teachers = {}, {}
+    for kind in ("direct", "cross"):
+        trainer = OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(math_teacher_path),
+            # (plain SGD: a step moves each parameter by its gradient; Adam's first step, about lr * sign(gradient),
+            # magnifies float noise in a gradient near 0)
+            args=opd_config(tmp_path / kind, signal="divergence", optim="sgd", learning_rate=0.01),
+            train_dataset=math_dataset,
+        )
+        if kind == "cross":
+            teacher_tokenizer = AutoTokenizer.from_pretrained(math_teacher_path)
+            trainer.teacher = CrossTokenizerTeacher(trainer, trainer.teacher.model, teacher_tokenizer)
+        teachers[kind] = trainer.teacher
+        runs[kind] = (_trained_parameters(trainer), trainer.state.log_history[0])
+    # One batch of the trained student's rollouts (the cross trainer's: its rows carry the teacher's readings)
+    rows = [dict(row) for row in math_dataset.select(range(2)) for _ in range(2)]
+    cross_batch, hidden = _batch_and_hidden(trainer, rows)
+    batch, mask = {**cross_batch, "teacher_scores": None}, cross_batch["completion_mask"]
+    # (the rollouts are the tokenizer's own spelling of their text, which the teacher's reading gives back)
+    completions = [c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], mask)]
+    assert all(trainer.teacher.respell(c) == c for c in completions)
+    student = trainer.model
+    for beta, temperature in ((0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (1.0, 0.7)):
+        direct, _ = _loss_and_gradients(teachers["direct"], student, hidden, batch, beta, temperature)
+        cross, out = _loss_and_gradients(teachers["cross"], student, hidden, cross_batch, beta, temperature)
+        assert direct[0] > 0
+        torch.testing.assert_close(cross[0], direct[0], rtol=1e-5, atol=1e-6)
+        for cross_grad, direct_grad in zip(cross[1:], direct[1:]):
+            torch.testing.assert_close(cross_grad, direct_grad, rtol=1e-4, atol=1e-6)
+        assert (out.leftover[mask.bool()] == 0).all()  # every position carried over, nothing left over
+    (direct, direct_log), (cross, cross_log) = runs["direct"], runs["cross"]
+    assert cross_log["alignment/mapped"] == 1.0 and cross_log["alignment/leftover"] == 0.0
+    assert cross_log["alignment/exact"] == 1.0 and "alignment/mapped" not in direct_log
+    assert cross_log["loss"] == pytest.approx(direct_log["loss"], abs=1e-6)
+    assert cross_log["teacher_kl/sampled"] == pytest.approx(direct_log["teacher_kl/sampled"], abs=1e-6)
+    before = {n: p for n, p in AutoModelForCausalLM.from_pretrained(math_trained_path).named_parameters()}
+    assert any(not torch.equal(direct[n], before[n]) for n in direct)  # the step moved the student
+    for name in direct:
+        torch.testing.assert_close(cross[name], direct[name], rtol=1e-5, atol=1e-6)
+
+
+def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distribution_where_both_cut(
+    tmp_path, math_trained_path, other_teacher_path, math_dataset, tokenizer
+):
+    """`divergence` from the other lab tokenizer's teacher on a small batch (reference answers, whose numbers the
+    student writes digit by digit and the teacher whole): the loss is, computed here by hand, the generalised JSD
+    between the student's next-token distribution and the teacher's (a forward over its own tokens of the row) with
+    each teacher token's mass on the longest student token its bytes start with, over the supervised positions where
+    both tokenizations cut; exactly the other supervised positions are left out, the digits inside numbers among
+    them."""
+    from trl_statelens.heads import TAIL_FLOOR, _completion_hidden_states
+    from trl_statelens.teachers.base import completion_padded, left_padded
+
+    beta = 0.5
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(other_teacher_path),
+        args=opd_config(tmp_path, signal="divergence", jsd_beta=beta),
+        train_dataset=math_dataset,
+    )
+    teacher, student = trainer.teacher, trainer.model
+    assert isinstance(teacher, CrossTokenizerTeacher)
+    rows = [math_dataset[i] for i in range(3)]
+    completions = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
+    completions[0] = completions[0] + [tokenizer.eos_token_id]
+    student_prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    prompt_ids, prompt_mask = left_padded(student_prompts, tokenizer.pad_token_id)
+    completion_ids, completion_mask = completion_padded(completions, tokenizer.pad_token_id)
+    loss_mask = completion_mask.float()
+    loss_mask[1, :3] = 0  # a row whose first tokens are not supervised
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "teacher_scores": teacher.score(teacher.prompts(student_prompts, rows), completions, True),
+    }
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    hidden = _completion_hidden_states(student, input_ids, attention_mask, completion_ids.size(1))
+    normalizer = loss_mask.sum()
+    out = teacher.divergence_loss(student, hidden, batch, loss_mask, normalizer, beta, 1.0)
+
+    # By hand: the teacher's own tokens of each row, its forward, the byte-prefix mapping, the divergence
+    teacher_tokenizer = AutoTokenizer.from_pretrained(other_teacher_path)
+    teacher_model = AutoModelForCausalLM.from_pretrained(other_teacher_path)
+    student_bytes, teacher_bytes = teacher.student_vocab.token_bytes, teacher.teacher_vocab.token_bytes
+    student_roles, teacher_roles = teacher.student_vocab.roles, teacher.teacher_vocab.roles
+    receiver = []  # each teacher token's student token, or None (its mass is left over)
+    for token_id, spelled in enumerate(teacher_bytes):
+        if spelled is None:
+            same_role = [s for s, roles in student_roles.items() if set(roles) & set(teacher_roles.get(token_id, ()))]
+            receiver.append(same_role[0] if same_role else None)
+            continue
+        prefixes = [(len(b), s) for s, b in enumerate(student_bytes) if b and spelled.startswith(b)]
+        receiver.append(max(prefixes)[1] if prefixes else None)
+    with torch.no_grad():
+        student_logps = student(input_ids, attention_mask=attention_mask).logits[:, prompt_ids.size(1) - 1 : -1]
+        student_logps = student_logps.float().log_softmax(-1)
+    total, compared, skipped_digits = 0.0, torch.zeros_like(loss_mask, dtype=torch.bool), 0
+    for i, (row, completion) in enumerate(zip(rows, completions)):
+        teacher_prompt = teacher_tokenizer(row["prompt"])["input_ids"]
+        spelled = teacher_tokenizer(" " + row["answer"], add_special_tokens=False)["input_ids"]
+        spelled += [teacher_tokenizer.eos_token_id] if i == 0 else []
+        assert spelled == teacher.respell(completion)
+        with torch.no_grad():
+            logits = teacher_model(torch.tensor([teacher_prompt + spelled])).logits[0, len(teacher_prompt) - 1 : -1]
+        teacher_probs = logits.float().softmax(-1)
+
+        def starts(ids, spelled_as):
+            lengths = [len(spelled_as[t]) if spelled_as[t] is not None else 1 for t in ids]
+            return [sum(lengths[:k]) for k in range(len(ids))]
+
+        teacher_starts = starts(spelled, teacher_bytes)
+        for s, start in enumerate(starts(completion, student_bytes)):
+            if not loss_mask[i, s]:
+                continue
+            if start not in teacher_starts:  # inside a teacher token: no distribution there
+                skipped_digits += tokenizer.decode([completion[s]]).isdigit()
+                continue
+            compared[i, s] = True
+            probs = teacher_probs[teacher_starts.index(start)]
+            mapped = torch.zeros(student_logps.size(-1))
+            leftover = 0.0
+            for token_id, mass in enumerate(probs.tolist()):
+                if receiver[token_id] is None:
+                    leftover += mass
+                else:
+                    mapped[receiver[token_id]] += mass
+            p = student_logps[i, s].exp()
+            reached = mapped > 0
+            p_cat = torch.cat([p[reached], p[~reached].sum()[None]])
+            q_cat = torch.cat([mapped[reached], torch.tensor([max(leftover, TAIL_FLOOR)])])
+            if reached.all():
+                p_cat, q_cat = p_cat[:-1], q_cat[:-1]
+            m = (1 - beta) * p_cat + beta * q_cat
+            total += beta * (q_cat * (q_cat / m).log()).sum() + (1 - beta) * (p_cat * (p_cat / m).log()).sum()
+    assert skipped_digits > 0 and compared.sum() < loss_mask.sum()
+    assert torch.equal(torch.isfinite(out.leftover), compared)
+    torch.testing.assert_close(out.loss.detach(), total / normalizer, rtol=1e-4, atol=1e-6)
+
+
+def test_divergence_from_a_teacher_of_another_tokenizer_trains_and_logs_what_was_mapped(
+    tmp_path, math_trained_path, other_teacher_path, math_dataset
+):
+    """Two `divergence` steps from the other lab tokenizer's teacher: the loss is finite, and each step logs the
+    share of supervised positions compared with a carried distribution (`alignment/mapped`, below 1 where the
+    student's digits end inside the teacher's numbers), the leftover mass there and the exact share; the ledger's
+    sequences mark the tokens whose teacher value is not exact."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(other_teacher_path),
+        args=opd_config(tmp_path, max_steps=2, signal="divergence"),
+        train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )
+    assert isinstance(trainer.teacher, CrossTokenizerTeacher)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "alignment/mapped" in e]
+    assert len(logged) == 2
+    for entry in logged:
+        assert 0.0 < entry["alignment/mapped"] <= 1.0 and 0.0 < entry["alignment/exact"] <= 1.0
+        assert 0.0 <= entry["alignment/leftover"] < 1e-6  # every teacher token reaches a student token on this pair
+        assert torch.isfinite(torch.tensor(entry["loss"])) and entry["loss"] > 0
+    assert min(e["alignment/mapped"] for e in logged) < 1.0
+    samples = [json.loads(line) for line in (tmp_path / "statelens" / "states.jsonl").read_text().splitlines()]
+    assert samples and all(len(s["teacher_exact"]) == len(s["logp"]) for s in samples)

@@ -7,6 +7,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from trl.kernels import ChunkedLogProbFunction
 from trl.kernels.chunked_divergence import TOKEN_CHUNK_SIZE, ChunkedDivergenceFunction, _compute_dtype
@@ -110,12 +111,15 @@ class _DivergenceAndLogNormalizers(ChunkedDivergenceFunction):
 class Divergence(NamedTuple):
     """A micro-batch's `divergence` loss, and per completion position `(B, T)` the teacher's log-prob of the token,
     and the student's log-prob of it and entropy there when the loss's own pass gives them (`None` otherwise: the
-    trainer projects them itself)."""
+    trainer projects them itself). From a teacher of another tokenizer, `leftover`: at each position where its
+    distribution was carried onto the student's vocabulary, the mass that reached no student token; NaN where none was
+    (the position was left out of the loss)."""
 
     loss: torch.Tensor
     teacher_logps: torch.Tensor
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
+    leftover: torch.Tensor | None = None
 
 
 def divergence_and_token_logps(
@@ -303,6 +307,41 @@ def topk_tail_jsd(
     log_s = torch.cat([student, student_tail[:, None]], dim=1)
     log_t = torch.cat([top_logps, teacher_tail[:, None]], dim=1)
     keep = torch.cat([present, has_tail[:, None]], dim=1)
+    return _generalised_jsd(log_s, log_t, keep, beta)
+
+
+def mapped_jsd(
+    student_log_probs: torch.Tensor, teacher_probs: torch.Tensor, leftover: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """Per position `(N,)`, the generalised JSD with `beta` (as [`topk_tail_jsd`]'s) between the student's full
+    log-probs `(N, V)` and a teacher distribution carried onto the student's vocabulary: `teacher_probs` `(N, V_s)`,
+    `V_s <= V`, and `leftover` `(N,)`, as `alignment.MappedDistribution`'s `student_probs` and `leftover`.
+
+    The teacher's masses are compared as they are, not renormalised. The categories are the student tokens the
+    teacher's mass reaches and, where some get none (a student token no teacher token maps to, the output layer's
+    padding rows), one rest bucket: the student's mass on those against the teacher's `leftover`, floored at
+    `TAIL_FLOOR` as a served teacher's tail is (no student token is left with mass the teacher gives none: the reverse
+    KL stays finite). So the leftover is compared as one category, never spread over the student's tokens; where every
+    student token is reached it is left out. With one tokenizer on both sides every token is reached and nothing is
+    left over: the exact divergence over the vocabulary."""
+    vocab = student_log_probs.size(-1)
+    teacher = F.pad(teacher_probs.to(student_log_probs.dtype), (0, vocab - teacher_probs.size(-1)))
+    reached = teacher > 0
+    has_rest = ~reached.all(-1)
+    # (a row with nothing outside gets a finite stand-in, masked below: a log-sum-exp over nothing has a NaN gradient)
+    outside = torch.where(has_rest[:, None], student_log_probs.masked_fill(reached, -math.inf), 0.0)
+    student_rest = torch.logsumexp(outside, dim=-1)
+    teacher_rest = leftover.to(student_log_probs.dtype).clamp(min=TAIL_FLOOR).log()
+    log_s = torch.cat([student_log_probs, student_rest[:, None]], dim=1)
+    log_t = torch.cat([teacher.log(), teacher_rest[:, None]], dim=1)
+    keep = torch.cat([reached, has_rest[:, None]], dim=1)
+    return _generalised_jsd(log_s, log_t, keep, beta)
+
+
+def _generalised_jsd(log_s: torch.Tensor, log_t: torch.Tensor, keep: torch.Tensor, beta: float) -> torch.Tensor:
+    """TRL's generalised JSD per position over the categories `keep` marks `(N, C)`, from the student's and the
+    teacher's log-probs of them: `KL(t || s)` at `beta=0`, `KL(s || t)` at `beta=1`, else `beta KL(t || m) +
+    (1 - beta) KL(s || m)` with `m = (1 - beta) s + beta t`."""
     # Absent categories get finite stand-ins (their terms are masked out), so no NaN reaches the gradient
     log_s, log_t = torch.where(keep, log_s, 0.0), torch.where(keep, log_t, 0.0)
     if beta == 0.0:

@@ -8,7 +8,9 @@ Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, the teac
 supervised tokens of its own rows per step, counted from its batches, with the teacher of each row; the trainer's
 `alignment/exact` is summed over both ranks. With SAME (a teacher of the student's tokenizer), the two are routed:
 prompts alternate between `same` and `other` (TEACHER), so a rank can hold only same-tokenizer rows at a step.
-SETTINGS, a JSON object, are further `OnPolicyDistillConfig` settings (`signal`, `state_source_mix`).
+SETTINGS, a JSON object, are further `OnPolicyDistillConfig` settings (`signal`, `state_source_mix`). With
+`{"signal": "divergence"}` each step's counts add the supervised positions given a distribution of the teacher (a
+same-tokenizer row's all, another's where both tokenizations cut).
 """
 
 import json
@@ -59,11 +61,25 @@ counts, teachers = [], []  # per step on this rank: (exact supervised tokens, su
 compute_loss = trainer._compute_loss
 
 
+def mapped_positions(inputs, supervised) -> int:
+    """The supervised positions with a distribution of the teacher: a row the teacher read as text (`TextReading`)
+    has one where its alignment is synchronised."""
+    mapped = supervised.clone()
+    for i, row in enumerate(inputs["teacher_scores"] or []):
+        if row is not None:
+            synchronised = torch.zeros_like(mapped[i])
+            synchronised[row.scores.result()[row.index].alignment.synchronised[:, 0]] = True
+            mapped[i] &= synchronised
+    return int(mapped.sum())
+
+
 def counting_loss(model, inputs):
     if model.training:
         signal = resolved_signal(inputs["teacher_scores"], inputs["completion_ids"])
         supervised = inputs["completion_mask"].bool()
         counts.append([int(((signal == TeacherSignal.EXACT) & supervised).sum()), int(supervised.sum())])
+        if trainer.args.signal == "divergence":
+            counts[-1].append(mapped_positions(inputs, supervised))
         teachers.append(inputs["teacher"])
     return compute_loss(model, inputs)
 

@@ -73,7 +73,10 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
               kernel (the `(B, T, V)` logits are never materialised); `jsd_beta=1` is TRL's
               `DistillationTrainer(beta=1)` loss. With a served teacher, the same divergence on the teacher's
               top-k tokens plus a tail bucket (see `teacher_top_k`); there the student's full log-softmax at the
-              supervised positions is formed (in chunks of 1024 positions) and kept for the backward.
+              supervised positions is formed (in chunks of 1024 positions) and kept for the backward. From an
+              in-process teacher of another tokenizer, the same divergence with the teacher's distribution carried
+              onto the student's vocabulary, at the positions where both tokenizations cut only
+              (docs/cross-tokenizer.md).
         kl_discount (`float`, *optional*, defaults to `0.0`):
             Discount $\gamma$ of future per-token reverse KL in the `reverse_kl` advantage; `0` uses each token's
             own KL only.

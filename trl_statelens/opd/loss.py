@@ -119,6 +119,7 @@ class LossMixin:
         # gradient_accumulation_steps
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         signal = None  # how a teacher of another tokenizer carried its log-probs over (`teachers/alignment.py`)
+        leftover = None  # where such a teacher's distribution was carried over, the mass that reached no student token
         if self.model.training:
             # (the Trainer sets current_gradient_accumulation_steps in its loop; the last window of an epoch is shorter)
             accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
@@ -129,7 +130,7 @@ class LossMixin:
         skipped = None if selection is None else (selection == SKIPPED)[:, None]
         if self.args.signal == "divergence":
             unwrapped = self.accelerator.unwrap_model(model)
-            loss, logps, entropies, teacher_logps, aux_loss = self._forward_redirection(
+            loss, logps, entropies, teacher_logps, leftover, aux_loss = self._forward_redirection(
                 model,
                 unwrapped,
                 self._divergence_loss,
@@ -142,6 +143,9 @@ class LossMixin:
             )
             weights = 1.0
             compared_logps = logps.detach()  # what the teacher's log-probs are compared with (one token each here)
+            if self.teacher.crosses_tokenizers:  # its per-token values for the metrics and records, chunk by chunk
+                signal = resolved_signal(inputs["teacher_scores"], completion_ids)
+                compared_logps = chunk_totals(compared_logps, signal)
         else:
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
                 model,
@@ -191,6 +195,7 @@ class LossMixin:
             inputs["teacher"],
             signal,
             numbers,
+            leftover,
         )
         if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
             # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
@@ -244,7 +249,8 @@ class LossMixin:
         """Runs inside the student wrapper's forward (so DDP/DeepSpeed see one forward): the teacher's divergence loss
         on the student's final hidden states (full-vocabulary generalised JSD in-process, top-k plus tail from a
         server), plus the per-token log-probs and entropies the records need (an in-process teacher's pass gives them),
-        and a MoE student's router load-balancing loss (`None` unless GRPO's `aux_loss_enabled`)."""
+        the leftover of a teacher of another tokenizer (`Divergence.leftover`), and a MoE student's router
+        load-balancing loss (`None` unless GRPO's `aux_loss_enabled`)."""
         num_completion = inputs["completion_ids"].size(1)
         if self.aux_loss_enabled:
             student_hidden, aux_loss = _completion_hidden_states_and_aux_loss(
@@ -264,10 +270,20 @@ class LossMixin:
             with torch.no_grad():
                 tokens = inputs["completion_ids"]
                 logps, entropies = _head_logps(unwrapped, student_hidden.detach(), tokens, self.temperature, True)
-        return out.loss, logps, entropies, out.teacher_logps, aux_loss
+        return out.loss, logps, entropies, out.teacher_logps, out.leftover, aux_loss
 
     def _log_teacher_metrics(
-        self, logps, teacher_logps, entropies, scored, loss_mask, token_source, teachers, signal, numbers=None
+        self,
+        logps,
+        teacher_logps,
+        entropies,
+        scored,
+        loss_mask,
+        token_source,
+        teachers,
+        signal,
+        numbers=None,
+        leftover=None,
     ):
         """`teacher_kl/sampled` (the sampled reverse KL `log p_S - log p_T`, a one-sample estimate of KL(p_S || p_T))
         and `teacher_nll`, means over every completion token the student sampled itself (supervised or not) in the
@@ -277,7 +293,10 @@ class LossMixin:
         teacher of another tokenizer (`signal`), `alignment/exact`: the share of supervised tokens whose teacher
         log-prob is exact (the rest are in chunks: `teachers/alignment.py`), and `alignment/exact/numbers` the same
         among supervised tokens that spell a digit (`numbers`: per token, whether it does), where two tokenizers most
-        often split differently. One all-reduce for all of them."""
+        often split differently. With `divergence` from such a teacher (`leftover`, NaN where no distribution was
+        carried over), `alignment/mapped`: the share of supervised positions that were compared with a distribution
+        of the teacher (the rest are left out of the loss), and `alignment/leftover`: the mean teacher mass that
+        reached no student token there. One all-reduce for all of them."""
         mode = "train" if self.model.training else "eval"
         sampled = scored & (token_source == LEARNER)
         if self.args.signal == "continuation":
@@ -289,6 +308,10 @@ class LossMixin:
             exact_supervised = (signal == TeacherSignal.EXACT) & loss_mask.bool()
             counted = (exact_supervised, exact_supervised & numbers, numbers & loss_mask.bool())
             exact = [tokens.sum().float() for tokens in counted]
+        mapped = []
+        if leftover is not None:  # supervised positions given a distribution; their leftover summed
+            compared = torch.isfinite(leftover) & loss_mask.bool()
+            mapped = [compared.sum().float(), leftover.nan_to_num(0.0).mul(compared).sum().float()]
         per_teacher = []
         for name in self.teacher.names:
             rows = torch.tensor([t == name for t in teachers], device=kl.device)[:, None]
@@ -301,6 +324,7 @@ class LossMixin:
                 (entropies * loss_mask).sum(),
                 loss_mask.sum(),
                 *exact,
+                *mapped,
                 *per_teacher,
             ]
         )
@@ -310,7 +334,11 @@ class LossMixin:
             self._metrics[mode]["alignment/exact"].append(totals[5] / supervised)
         if exact and totals[7] > 0:
             self._metrics[mode]["alignment/exact/numbers"].append(totals[6] / totals[7])
-        first = 5 + len(exact)
+        if mapped and supervised > 0:
+            self._metrics[mode]["alignment/mapped"].append(totals[5 + len(exact)] / supervised)
+        if mapped and totals[5 + len(exact)] > 0:
+            self._metrics[mode]["alignment/leftover"].append(totals[6 + len(exact)] / totals[5 + len(exact)])
+        first = 5 + len(exact) + len(mapped)
         for i, name in enumerate(self.teacher.names):
             teacher_kl_sum, teacher_count = totals[first + 2 * i : first + 2 + 2 * i]
             if teacher_count > 0:

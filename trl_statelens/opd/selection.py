@@ -145,13 +145,16 @@ def divergence_on_scored_rows(trainer, student, student_hidden, batch: dict, los
     out = trainer.teacher.divergence_loss(student, hidden, part, mask, normalizer, args.jsd_beta, trainer.temperature)
     tokens = batch["completion_ids"]
     teacher_logps = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    leftover = None if out.leftover is None else torch.full_like(teacher_logps, float("nan"))
     if len(kept):
         teacher_logps[kept] = out.teacher_logps.detach().float()
+        if leftover is not None:
+            leftover[kept] = out.leftover.float()
     with torch.no_grad():
         hidden = student_hidden.detach()
         if out.logps is None:  # a served teacher's loss gives none: the student's layer over every row, as for it
             logps, entropies = _head_logps(student, hidden, tokens, trainer.temperature, True)
-            return Divergence(out.loss, teacher_logps, logps, entropies)
+            return Divergence(out.loss, teacher_logps, logps, entropies, leftover)
         logps, entropies = torch.zeros_like(teacher_logps), torch.zeros_like(teacher_logps)
         if len(kept):
             logps[kept], entropies[kept] = out.logps.detach().float(), out.entropies.detach().float()
@@ -162,4 +165,4 @@ def divergence_on_scored_rows(trainer, student, student_hidden, batch: dict, los
             )
         else:  # the same call on a stand-in position
             _head_logps(student, hidden[:1, :1], tokens[:1, :1], trainer.temperature, True)
-    return Divergence(out.loss, teacher_logps, logps, entropies)
+    return Divergence(out.loss, teacher_logps, logps, entropies, leftover)

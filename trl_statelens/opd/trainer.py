@@ -184,7 +184,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                 )
             teacher_path, teacher_model = teacher_model, None
             if teacher_path is not None:
-                check_before_loading(args, _student_tokenizer(model, processing_class), teacher_path)
+                check_before_loading(args, _student_tokenizer(model, processing_class), teacher_path, served=True)
         elif teacher_model is None:
             raise ValueError(
                 "OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id), or the address of a "

@@ -27,7 +27,7 @@ its own module:
   or an average of a PEFT student's adapter;
 - [`CrossTokenizerTeacher`] (`cross_tokenizer.py`): an in-process teacher of another tokenizer, reading the rows as
   text in its own tokens, its log-probs carried back onto the student's (`byte_vocab.py`, `alignment.py`), the text
-  it writes tokenized again for the student;
+  it writes tokenized again for the student, and with `divergence` its distributions where both tokenizations cut;
 - [`TeacherRouter`] (`router.py`): several teachers, each row sent to the teacher of its `teacher_id` (in-process and
   served mixed).
 

@@ -124,13 +124,14 @@ def resolve_rows(
 
 def resolved_signal(rows: list[TeacherRow], completion_ids: torch.Tensor) -> torch.Tensor:
     """How a teacher of another tokenizer carried each completion token's log-prob over (`alignment.TeacherSignal`
-    `(B, T)`, `EXACT` on padding and on the rows of a routed teacher of the student's tokenizer). Read after
-    [`resolve_rows`] (the answers are in: no wait, no collective)."""
-    scores = [row.scores.result()[row.index] for row in rows]
+    `(B, T)`, `EXACT` on padding and on the rows of a routed teacher of the student's tokenizer, which with
+    `divergence` has no row to read: `None`). Read after [`resolve_rows`] or the `divergence` loss (the answers are
+    in: no wait, no collective)."""
     signal = torch.zeros(completion_ids.shape, dtype=torch.long, device=completion_ids.device)  # 0: EXACT
-    for i, row in enumerate(scores):
-        if row.signal is not None:
-            signal[i, : row.signal.size(0)] = row.signal.to(completion_ids.device)
+    for i, row in enumerate(rows or []):
+        answer = None if row is None else row.scores.result()[row.index]
+        if answer is not None and answer.signal is not None:
+            signal[i, : answer.signal.size(0)] = answer.signal.to(completion_ids.device)
     return signal
 
 

@@ -12,21 +12,34 @@ each chunk with the teacher's and gives every token of the chunk the chunk's adv
 The teacher writes in its own tokens (`signal="continuation"`, and `teacher` states in `state_source_mix`): it
 reads its own prompt and the student's prefix respelled, stops at its tokens that stand for the student's end tokens,
 and its text is tokenized again for the student, special tokens carried back by role
-([`ReadsText.student_continuation`]). `divergence` (the teacher's distribution carried by
-[`alignment.map_next_token_distribution`]) is refused. Several routed teachers may include such teachers
+([`ReadsText.student_continuation`]).
+
+`divergence`, in-process only ([`CrossTokenizerTeacher.divergence_loss`]): at each supervised student position that
+starts on a boundary both tokenizations share, the teacher's next-token distribution (one forward over its own tokens)
+carried onto the student's vocabulary by [`alignment.map_next_token_distribution`] and compared with the student's by
+[`heads.mapped_jsd`]; the other positions carry no distribution and are left out. A served teacher answers top-k
+log-probs, not the full distribution the mapping needs: refused. Several routed teachers may include such teachers
 ([`TeacherRouter`]: each row is read in its own teacher's tokens).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
+from typing import NamedTuple
 
 import torch
 
+from .. import collective, heads
+from ..heads import Divergence, _student_log_probs, mapped_jsd
 from .alignment import (
+    NextTokenMap,
+    TokenAlignment,
     align_token_ids,
+    map_next_token_distribution,
     move_teacher_ends,
+    next_token_map,
     student_token_teacher_logprobs,
     student_tokens_the_teacher_extends,
 )
@@ -70,28 +83,31 @@ def served_teacher(trainer, path: str | None, url: str | None = None) -> ServedT
     return ServedCrossTokenizerTeacher.connect(trainer, teacher_tokenizer, url)
 
 
-def refuse_unsupported(args, name: str) -> None:
-    """What a teacher of another tokenizer (`name`, for the message) cannot do yet, refused with the way out."""
-    if args.signal not in ("reverse_kl", "continuation"):
+def refuse_unsupported(args, name: str, served: bool = False) -> None:
+    """What a teacher of another tokenizer (`name`, for the message; `served`: behind a server) cannot do, refused
+    with the way out."""
+    if args.signal == "divergence" and served:
         raise ValueError(
-            f"the teacher's tokenizer ({name}) differs from the student's, and signal={args.signal!r} is not yet "
-            "carried across tokenizers: use signal='reverse_kl' (the teacher's log-prob of each student token, "
-            "exact where the tokenizations allow; docs/cross-tokenizer.md) or 'continuation' (the teacher's text "
-            "tokenized for the student), or a teacher of the student's tokenizer"
+            f"the teacher's tokenizer ({name}) differs from the student's, and signal='divergence' from a served "
+            "teacher is not carried across tokenizers: the server answers top-k log-probs, and carrying the teacher's "
+            "distribution onto the student's vocabulary needs all of it (docs/cross-tokenizer.md). Run the teacher "
+            "in the training processes (teacher_model without teacher_model_server_url), or use signal='reverse_kl' "
+            "or 'continuation'"
         )
 
 
-def check_before_loading(args, student_tokenizer, path: str) -> None:
+def check_before_loading(args, student_tokenizer, path: str, served: bool = False) -> None:
     """Before any model loads (Gemma 3 270M takes over a minute on 2 cores): if the tokenizer saved at the teacher's
-    `path` differs from `student_tokenizer` (`None`: not known yet, nothing checked), the settings it cannot serve,
-    tokenizers that cannot spell their tokens in bytes, and a student end-of-sequence token with no counterpart by
-    role are refused, as `CrossTokenizerTeacher.prepared` would refuse them after loading."""
+    `path` (`served`: the tokenizer of a teacher behind a server) differs from `student_tokenizer` (`None`: not known
+    yet, nothing checked), the settings it cannot serve, tokenizers that cannot spell their tokens in bytes, and a
+    student end-of-sequence token with no counterpart by role are refused, as `CrossTokenizerTeacher.prepared` (or
+    `ServedCrossTokenizerTeacher.connect`) would refuse them after loading."""
     teacher_tokenizer = read_tokenizer(path)
     if student_tokenizer is None or teacher_tokenizer is None:
         return
     if token_id_mismatch(student_tokenizer, teacher_tokenizer, path) is None:
         return
-    refuse_unsupported(args, path)
+    refuse_unsupported(args, path, served)
     student_vocab = byte_vocabulary(student_tokenizer, "the student's")
     teacher_vocab = byte_vocabulary(teacher_tokenizer)
     specials = special_token_map(student_vocab, teacher_vocab)
@@ -276,17 +292,37 @@ class ReadsText:
             zip(completions, teacher_completions, scores, strict=True)
         ):
             alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
-            values, signal = student_token_teacher_logprobs(alignment, row.logps.float().cpu())
-            if end_logmass is not None:
-                values = move_teacher_ends(alignment, values, student_ids, self.movable, end_logmass[i])
+            moved = None if end_logmass is None else end_logmass[i]
+            values, signal = self._carried_row(alignment, student_ids, row.logps, moved)
             carried.append(RowScores(values, signal=signal))
         return carried
+
+    def _carried_row(self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None):
+        """One row of `_carry`, its alignment made: `(values, signal)` on the student's tokens."""
+        values, signal = student_token_teacher_logprobs(alignment, teacher_logps.float().cpu())
+        if end_logmass is not None:
+            values = move_teacher_ends(alignment, values, student_ids, self.movable, end_logmass)
+        return values, signal
 
     def _respelled(self, completions) -> list[list[int]]:
         teacher_completions = [self.respell([int(t) for t in c]) for c in completions]
         # Its forward runs over its own spelling of the completions: the FLOPs count the difference as its context
         self.trainer._count_teacher_context(teacher_completions, completions)
         return teacher_completions
+
+
+class TextReading(NamedTuple):
+    """A row as a [`CrossTokenizerTeacher`] reads it for the `divergence` loss, made when the batch is scored: its
+    prompt and its spelling of the student's completion in the teacher's tokens, and how that spelling aligns with the
+    student's tokens. Its `signal` is read as a [`RowScores`]' is (`resolved_signal`)."""
+
+    prompt: list[int]
+    completion: list[int]
+    alignment: TokenAlignment
+
+    @property
+    def signal(self) -> torch.Tensor:
+        return self.alignment.signal
 
 
 class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
@@ -311,6 +347,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             for i in range(vocab_size(self.model))
             if (i >= len(spelled) or spelled[i] is None) and i not in self.student_specials
         ]
+        self._next_token_map = None  # built on the first `divergence` step (`_mapping`)
 
     @classmethod
     def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
@@ -347,8 +384,19 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
     @torch.no_grad()
     def score(self, prompts, completions, distribution=False, teachers=None):
         """The teacher's log-probs of its own spelling of each completion after its own prompt (`prompts` are the
-        teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`."""
+        teacher's, from `prompts`), carried onto the student's tokens with each token's `signal`.
+
+        With `distribution=True` (the `divergence` signal) no forward runs: each row's [`TextReading`], whose
+        distributions `divergence_loss` computes and carries over within the loss."""
         teacher_completions = self._respelled(completions)
+        if distribution:
+            readings = [
+                TextReading(
+                    prompt, teacher_ids, align_token_ids(ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+                )
+                for prompt, ids, teacher_ids in zip(prompts, completions, teacher_completions, strict=True)
+            ]
+            return batch_rows(answered(readings), len(readings))
         if self.movable.any():
             scores, end_logmass = self._scores_and_end_logmass(prompts, teacher_completions)
         else:
@@ -359,35 +407,113 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
     def _scores_and_end_logmass(self, prompts, teacher_completions) -> tuple[list[RowScores], list[torch.Tensor]]:
         """`_score_rows`' answers, and per row and teacher completion token the log-prob of the teacher writing any
         token whose bytes start with that token's, less that token's own (0 where none longer does), from one forward
-        over the whole vocabulary at the run's temperature, in the same agreed chunks (collective under ZeRO-3:
-        every rank runs as many). For a pair where a student token's end is the teacher's to say (`movable`)."""
+        over the whole vocabulary at the run's temperature, in the same agreed chunks (`_completion_log_probs`). For a
+        pair where a student token's end is the teacher's to say (`movable`)."""
+        scores, rows = [], []
+        for i, logps in self._completion_log_probs(prompts, teacher_completions, self.trainer.temperature):
+            token_logps, moved = self._token_logps_and_end_logmass(logps.cpu(), teacher_completions[i])
+            scores.append(RowScores(token_logps))
+            rows.append(moved)
+        return scores, rows
+
+    def _completion_log_probs(self, prompts, teacher_completions, temperature: float):
+        """Yields `(i, log-probs (n_i, V))` for each row `i` of this rank: the teacher's next-token log-probs over its
+        whole vocabulary at each position of its completion, at `temperature`, from one forward per agreed
+        chunk of rows (collective under ZeRO-3: every rank runs as many, those past its rows on a stand-in whose
+        answer is dropped, [`InProcessTeacher._scoring_batch`]). Iterated to the end on every rank, rows or none."""
         batch = self._scoring_batch(prompts, teacher_completions)
         if batch is None:
-            return [], []
+            return
         input_ids, attention_mask, width, chunks, _ = batch
-        scores, rows = [], []
         for chunk in chunks:
-            stand_in = chunk.start >= len(prompts)  # its answer is dropped (see `_scoring_batch`)
-            chunk = stand_in_chunk(chunk, input_ids)
+            stand_in = chunk.start >= len(prompts)
+            rows = stand_in_chunk(chunk, input_ids)
             with torch.no_grad():
                 logits = self.model(
-                    input_ids=input_ids[chunk], attention_mask=attention_mask[chunk], logits_to_keep=width + 1
+                    input_ids=input_ids[rows], attention_mask=attention_mask[rows], logits_to_keep=width + 1
                 ).logits
-            logps = (logits[:, :-1].float() / self.trainer.temperature).log_softmax(-1).cpu()
             if stand_in:
                 continue
+            logps = (logits[:, :-1].float() / temperature).log_softmax(-1)
             for offset in range(logps.size(0)):
-                tokens = teacher_completions[chunk.start + offset]
-                scores.append(
-                    RowScores(logps[offset, torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)])
-                )
-                moved = torch.zeros(len(tokens))
-                for j, token_id in enumerate(tokens):
-                    longer = self.extensions(token_id)
-                    if len(longer) > 1:
-                        moved[j] = logps[offset, j, longer].logsumexp(0) - logps[offset, j, token_id]
-                rows.append(moved)
-        return scores, rows
+                i = rows.start + offset
+                yield i, logps[offset, : len(teacher_completions[i])]
+
+    def _token_logps_and_end_logmass(self, logps, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """From one row's full log-probs `(n, V)` and its teacher tokens: each token's log-prob, and its term of
+        `move_teacher_ends` (the log-prob of any token starting with its bytes, less its own; 0 where none longer
+        does), both `(n,)` on the CPU."""
+        positions = torch.arange(len(tokens), device=logps.device)
+        values = logps[positions, torch.tensor(tokens, dtype=torch.long, device=logps.device)]
+        moved = torch.zeros(len(tokens), device=logps.device)
+        for j, token_id in enumerate(tokens):
+            longer = self.extensions(token_id)
+            if len(longer) > 1:
+                moved[j] = logps[j, longer.to(logps.device)].logsumexp(0) - values[j]
+        return values.cpu(), moved.cpu()
+
+    def _mapping(self, device) -> NextTokenMap:
+        """This pair's [`NextTokenMap`], built on first use (about a second for a Gemma 3 teacher and a SmolLM2
+        student) and kept on `device`."""
+        if self._next_token_map is None:
+            table = next_token_map(self.teacher_vocab, self.student_vocab)
+            tables = ("student_of_teacher", "prefix_pairs", "proper_prefix_pairs")
+            self._next_token_map = dataclasses.replace(
+                table, **{name: getattr(table, name).to(device) for name in tables}
+            )
+        return self._next_token_map
+
+    def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
+        """The generalised JSD with `beta` at the supervised positions where the teacher's distribution is defined on
+        the student's vocabulary: those whose token starts on a boundary both tokenizations share
+        (`TokenAlignment.synchronised`). There the teacher's next-token distribution, from one forward over its own
+        tokens of the row ([`TextReading`], made by `score`), is carried onto the student's vocabulary
+        ([`map_next_token_distribution`]) and compared with the student's at the run's temperature
+        ([`heads.mapped_jsd`]: the teacher's masses as they are, its leftover as one category). Any other supervised
+        position is left out of the loss (`leftover` NaN there). Summed and divided by `normalizer`, as the
+        same-tokenizer loss.
+
+        Also each token's teacher log-prob carried as `score` carries it (ends moved), for the metrics and records;
+        the student's own per-token values are left to the trainer (`logps` `None`). The teacher's forwards run in
+        agreed chunks of rows, the student's output layer in agreed chunks of positions, at least one: every rank
+        makes as many calls, rows or none (collective under ZeRO-3). The teacher cache keeps nothing of these
+        forwards: a reused batch runs them again."""
+        readings = [row.scores.result()[row.index] for row in batch["teacher_scores"] or []]
+        completion_ids = batch["completion_ids"]
+        device = student_hidden.device
+        teacher_logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
+        leftover = torch.full(completion_ids.shape, float("nan"), device=device)
+        positions, mapped = [], []
+        prompts, teacher_completions = [r.prompt for r in readings], [r.completion for r in readings]
+        for i, logps in self._completion_log_probs(prompts, teacher_completions, temperature):
+            alignment = readings[i].alignment
+            student_ids = completion_ids[i, : len(alignment.signal)].tolist()
+            token_logps, moved = self._token_logps_and_end_logmass(logps, teacher_completions[i])
+            values, _ = self._carried_row(alignment, student_ids, token_logps, moved if self.movable.any() else None)
+            teacher_logps[i, : len(values)] = values.to(device)
+            student_at, teacher_at = alignment.synchronised.T.to(device)
+            supervised = loss_mask[i, student_at] != 0
+            student_at, teacher_at = student_at[supervised], teacher_at[supervised]
+            if len(student_at):
+                carried = map_next_token_distribution(self._mapping(logps.device), logps[teacher_at].exp())
+                leftover[i, student_at] = carried.leftover.to(device)
+                positions += [(i, s) for s in student_at.tolist()]
+                mapped.append(carried.student_probs)
+        rows, at = torch.tensor(positions, dtype=torch.long, device=device).reshape(-1, 2).T
+        hidden = student_hidden[rows, at]
+        teacher_probs = torch.cat(mapped).to(device) if mapped else hidden.new_zeros(0, len(self.student_vocab))
+        left = leftover[rows, at]
+        # The student's output layer once per chunk of positions, as many on every rank and at least one, so that it
+        # is used everywhere (as DDP requires of an untied head) even where this rank maps nothing
+        chunks = collective.agreed_chunks(self.trainer.accelerator, len(rows), heads.POSITION_CHUNK) or [slice(0, 0)]
+        losses = [
+            mapped_jsd(_student_log_probs(student, hidden[c], temperature), teacher_probs[c], left[c], beta)
+            for c in chunks
+        ]
+        loss = torch.cat(losses).sum()
+        if isinstance(normalizer, torch.Tensor):
+            normalizer = normalizer.to(loss.device)
+        return Divergence(loss / normalizer, teacher_logps, leftover=leftover)
 
 
 class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
@@ -412,7 +538,7 @@ class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
         """The server at `url` (default: `teacher_model_server_url`) checked against the teacher's `tokenizer` (its
         largest id scored), after the settings and the end tokens' roles."""
         args = trainer.args
-        refuse_unsupported(args, tokenizer.name_or_path)
+        refuse_unsupported(args, tokenizer.name_or_path, served=True)
         server = TeacherServerClient(
             url or args.teacher_model_server_url,
             tokenizer,

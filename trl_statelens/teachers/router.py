@@ -97,12 +97,14 @@ class TeacherRouter(Teacher):
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """The sum of each teacher's loss on its rows (each already divided by the whole `normalizer`); the student's
-        per-token values only when every teacher gave them."""
+        per-token values only when every teacher gave them; the leftover of a teacher of another tokenizer where it
+        gave one (0 on the other teachers' rows: their distributions are compared whole)."""
         total = student_hidden.sum() * 0.0
         per_token = {
             field: torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
             for field in ("teacher_logps", "logps", "entropies")
         }
+        leftover = None
         for name, rows in self._rows_by_teacher(batch["teacher"], len(batch["teacher"])).items():
             index = torch.tensor(rows, dtype=torch.long, device=student_hidden.device)
             part = {
@@ -114,9 +116,13 @@ class TeacherRouter(Teacher):
                 student, student_hidden[index], part, loss_mask[index], normalizer, beta, temperature
             )
             total = total + answer.loss
+            if answer.leftover is not None:
+                if leftover is None:
+                    leftover = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+                leftover[index] = answer.leftover.to(leftover.dtype)
             for field, values in per_token.items():
                 if values is not None and getattr(answer, field) is not None:
                     values[index] = getattr(answer, field).to(values.dtype)
                 else:
                     per_token[field] = None
-        return Divergence(total, **per_token)
+        return Divergence(total, **per_token, leftover=leftover)

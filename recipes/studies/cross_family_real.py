@@ -1,0 +1,131 @@
+"""A teacher of another family on the real pair (issue 45): Gemma 3 270M base, behind four solved problems, teaching
+SmolLM2-135M-Instruct the answer format through the cross-tokenizer path. STUDY.md, "A teacher of another family on
+the real pair: pre-registration".
+
+    python recipes/studies/cross_family_real.py [--data ../shared/data] [--out runs/cross-real]
+    python recipes/studies/cross_family_real.py --smoke --out /tmp/cross-real-smoke     # 2 steps, 2 items, 8 tokens
+
+Needs `make install-gemma3`. One run of `recipes/opd.py` at the setting of the 2026-12-05 K1 test run
+(`real_opd_study.SETTING` and K1's flags: the same training pool, the same four solved problems as chat exchanges,
+LoRA, `reverse_kl`, 8 rollouts x 128 tokens a step, 40 steps), the teacher Gemma 3 270M base reading those problems in
+its own chat template (`--teacher_reads_context true`) instead of the student's own base. The student is scored after
+training on K1's test items (250 GSM8K test problems, greedy, 256 tokens; 200 TruthfulQA questions); `test.json` and
+`test.md` hold paired differences with 95% bootstrap intervals over items against the base and against K1's student,
+both read from their committed answers (`docs/study/real/ends-test/opd/eval/`), and what the run's records show
+(the alignment's exact share, the teacher KL, how rollouts end). A run folder holding `results.json` is not run again.
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from real_opd_study import ENDS, ROOT, SETTING, SMOKE, _fmt, arm_scores, paired, write_test_data
+from study_lab import run
+
+K1_ITEMS = ROOT / "docs" / "study" / "real" / "ends-test" / "opd" / "eval"
+TEACHER = "gemma3-270m"
+STEPS = 40
+ITEMS = {"gsm8k": 250, "truthfulqa": 200}
+SMOKE_ITEMS = {"gsm8k": 2, "truthfulqa": 2}
+PRIMARY, GUARD = "clean", "repeats"
+
+
+def train_command(folder: Path, run_dir: Path, smoke: bool) -> list[str]:
+    """K1's test-run command with Gemma 3 as the teacher: `recipes/opd.py` instead of the self-distillation recipe,
+    the same flags after the config."""
+    _, k1_flags = ENDS["K1"]
+    items = SMOKE_ITEMS if smoke else ITEMS
+    return [
+        sys.executable, str(ROOT / "recipes" / "opd.py"),
+        "--config", str(ROOT / "recipes" / "configs" / "real" / "opd.yaml"), *SETTING[2:], *k1_flags,
+        "--teacher_model_name_or_path", TEACHER, "--teacher_reads_context", "true",
+        "--dataset_name", str(folder / "gsm8k"), "--eval_data", str(folder), "--output_dir", str(run_dir),
+        "--max_steps", str(2 if smoke else STEPS), "--eval_before", "false", "--eval_tasks", "gsm8k,truthfulqa",
+        "--eval_limit", ",".join(f"{task}={n}" for task, n in items.items()),
+        *(SMOKE if smoke else []),
+    ]  # fmt: skip
+
+
+def first_last(history: list[dict], key: str, window: int = 5) -> dict[str, float] | None:
+    values = [entry[key] for entry in history if entry.get(key) is not None]
+    if not values:
+        return None
+    return {"first": statistics.mean(values[:window]), "last": statistics.mean(values[-window:])}
+
+
+def records(run_dir: Path) -> dict:
+    """The run's logged metrics, its first 5 steps against its last 5: how exact the teacher's signal was (all tokens,
+    digits), the sampled teacher KL, how rollouts ended, and the teacher's extra prompt tokens per step."""
+    history = json.loads((run_dir / "log_history.json").read_text())
+    keys = (
+        "alignment/exact", "alignment/exact/numbers", "teacher_kl/sampled", "completions/mean_length",
+        "completions/clipped_ratio", "statelens/ends/end_token", "statelens/ends/repeats",
+        "statelens/ends/after_answer", "statelens/teacher_context_tokens",
+    )  # fmt: skip
+    summary = {key: first_last(history, key) for key in keys}
+    seconds = [entry["step_time"] for entry in history if "step_time" in entry]
+    summary["step_seconds_median"] = statistics.median(seconds) if seconds else None
+    return summary
+
+
+def main(data: Path, out: Path, smoke: bool) -> dict:
+    folder = write_test_data(data, out)
+    run_dir = out / "opd"
+    if not (run_dir / "results.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        run(train_command(folder, run_dir, smoke), out / "logs" / "opd.log")
+    arms = {
+        "base": arm_scores(K1_ITEMS / "before.items.jsonl", None),
+        "k1": arm_scores(K1_ITEMS / "after.items.jsonl", None),
+        "gemma": arm_scores(run_dir / "eval" / "after.items.jsonl", None),
+    }
+    comparisons = [("gemma", "base"), ("gemma", "k1")]
+    results = {
+        "means": {arm: {m: statistics.mean(v.values()) for m, v in scores.items()} for arm, scores in arms.items()},
+        "paired": {
+            f"{a} - {b}": {m: paired(arms[a][m], arms[b][m]) for m in arms[a] if m in arms[b]} for a, b in comparisons
+        },
+        "records": records(run_dir),
+        "compute": json.loads((run_dir / "results.json").read_text()).get("compute"),
+    }
+    base_guard = results["means"]["base"][GUARD]
+    gain = results["paired"]["gemma - base"][PRIMARY]
+    results["reading"] = (
+        "teaches the format"
+        if gain["low"] > 0 and results["means"]["gemma"][GUARD] <= base_guard + 0.05
+        else "does not resolve a gain"
+        if gain["low"] <= 0
+        else "gains, but fails the repeat guard"
+    )
+    (out / "test.json").write_text(json.dumps(results, indent=2))
+    lines = ["| comparison | metric | difference | 95% interval | items |", "|---|---|---:|---|---:|"]
+    for comparison, metrics in results["paired"].items():
+        for metric, d in metrics.items():
+            lines.append(
+                f"| {comparison} | {metric} | {d['difference']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] "
+                f"| {d['items']} |"
+            )
+    metrics = list(arms["base"])
+    lines += ["", "| model | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    for arm, values in results["means"].items():
+        lines.append(f"| {arm} | " + " | ".join(_fmt(values.get(m)) for m in metrics) + " |")
+    lines += ["", f"reading (pre-registered): {results['reading']}"]
+    text = "\n".join(lines)
+    (out / "test.md").write_text(text + "\n")
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--out", type=Path, default=Path("runs/cross-real"))
+    parser.add_argument("--smoke", action="store_true", help="2 steps, 2 items per task, 8 tokens")
+    args = parser.parse_args()
+    if not (args.data / "gsm8k" / "train.jsonl").exists():
+        sys.exit(f"needs real GSM8K at {args.data / 'gsm8k'} (see ../shared/data/README.md)")
+    main(args.data, args.out, args.smoke)
