@@ -72,6 +72,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
 import trl_statelens.teachers.cross_tokenizer as cross_tokenizer_module
+import trl_statelens.teachers.reads_text as reads_text_module
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.data import chat_prompt, read_gsm8k_rows
 from trl_statelens.lab import LabWorld, build_qwen3, build_tokenizer
@@ -137,8 +138,10 @@ def time_step_parts(trainer, parts: PartTimes) -> None:
             return teacher_ids
 
         teacher.respell = parts.wrap("respell", respell_counted)
-        for name in ALIGNMENT_PARTS[1:]:  # called by name from the teacher's module
-            setattr(cross_tokenizer_module, name, parts.wrap(name, getattr(cross_tokenizer_module, name)))
+        for name in ALIGNMENT_PARTS[1:]:  # called by name from the teachers' modules
+            for module in (cross_tokenizer_module, reads_text_module):
+                if hasattr(module, name):
+                    setattr(module, name, parts.wrap(name, getattr(module, name)))
     trainer.add_callback(parts)
 
 

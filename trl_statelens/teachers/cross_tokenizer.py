@@ -1,5 +1,5 @@
 """A teacher of another tokenizer (issue 45): in the training processes [`CrossTokenizerTeacher`], behind a vLLM
-server [`ServedCrossTokenizerTeacher`]; both read the rows as text ([`ReadsText`]).
+server [`ServedCrossTokenizerTeacher`]; both read the rows as text ([`ReadsText`], `reads_text.py`).
 
 The teacher reads each row as text in its own tokens: the prompt rendered by its own chat template (a plain-text
 prompt tokenized as it is), the student's completion spelled out in bytes and tokenized again, its special tokens
@@ -24,7 +24,6 @@ log-probs, not the full distribution the mapping needs: refused. Several routed 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 from typing import NamedTuple
@@ -38,14 +37,12 @@ from .alignment import (
     TokenAlignment,
     align_token_ids,
     map_next_token_distribution,
-    move_teacher_ends,
     next_token_map,
-    student_token_teacher_logprobs,
-    student_tokens_the_teacher_extends,
 )
-from .base import RowScores, answered, batch_rows, joined
-from .byte_vocab import ByteVocabulary, byte_vocabulary, special_token_map, unmapped_special_message
+from .base import RowScores, answered, batch_rows
+from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
 from .in_process import InProcessTeacher, prepare_teacher_model, stand_in_chunk
+from .reads_text import ReadsText
 from .served import ServedTeacher
 from .server_client import TeacherServerClient
 from .vocabulary import read_tokenizer, token_id_mismatch, vocab_size
@@ -113,202 +110,6 @@ def check_before_loading(args, student_tokenizer, path: str, served: bool = Fals
     specials = special_token_map(student_vocab, teacher_vocab)
     if student_tokenizer.eos_token_id is not None and student_tokenizer.eos_token_id not in specials:
         raise ValueError(unmapped_special_message(student_vocab, teacher_vocab, student_tokenizer.eos_token_id))
-
-
-def one_byte_tokens(vocab: ByteVocabulary) -> dict[bytes, int]:
-    """One token per byte, for bytes that are no whole UTF-8 text (a text cut inside a character): the tokenizer's
-    `<0xNN>` token where it has one, else a token that spells that byte alone."""
-    byte_ids = {}
-    for token_id, spelled in enumerate(vocab.token_bytes):
-        if spelled is not None and len(spelled) == 1:
-            if spelled not in byte_ids or token_id in vocab.byte_fallback_ids:
-                byte_ids[spelled] = token_id
-    return byte_ids
-
-
-def tokenized_bytes(data: bytes, tokenizer, byte_ids: dict[bytes, int]) -> list[int]:
-    """`data` as `tokenizer` tokenizes text, each run of bytes that is no whole UTF-8 text as its one-byte tokens."""
-    ids = []
-    while data:
-        try:
-            text, data = data.decode("utf-8"), b""
-        except UnicodeDecodeError as error:
-            text = data[: error.start].decode("utf-8")
-            bad, data = data[error.start : error.end], data[error.end :]
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-            ids += [byte_ids[bytes([b])] for b in bad]
-            continue
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-class ReadsText:
-    """What a teacher of another tokenizer does on the trainer's side, in-process or served: each row's prompt and
-    the student's completion in the teacher's tokens, and the teacher's log-probs carried back onto the student's
-    tokens. Set up by `_read_as_text`; the class it is mixed into gives `trainer`."""
-
-    reads_student_ids = False
-    crosses_tokenizers = True
-
-    def _read_as_text(self, student_tokenizer, tokenizer) -> None:
-        self.tokenizer, self.student_tokenizer = tokenizer, student_tokenizer
-        self.student_vocab = byte_vocabulary(student_tokenizer, "the student's")
-        self.teacher_vocab = byte_vocabulary(tokenizer)
-        self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
-        # The student's tokens whose end only the teacher's tokens can say (a digit against numbers kept whole): there
-        # the teacher's "its token ends here" is moved onto the student's next token (`alignment.move_teacher_ends`)
-        extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
-        self.movable = torch.tensor([spelled in extended for spelled in self.student_vocab.token_bytes])
-        order = sorted((spelled, i) for i, spelled in enumerate(self.teacher_vocab.token_bytes) if spelled)
-        self._teacher_sorted = [spelled for spelled, _ in order]
-        self._teacher_sorted_ids = [i for _, i in order]
-        self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
-        # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
-        self.number_tokens = torch.tensor(
-            [
-                spelled is not None and any(48 <= byte <= 57 for byte in spelled)
-                for spelled in self.student_vocab.token_bytes
-            ]
-        )
-        self.pad_id = next(
-            i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None
-        )  # rows are padded with the teacher's own ids
-        self.byte_ids = one_byte_tokens(self.teacher_vocab)
-        self.student_byte_ids = one_byte_tokens(self.student_vocab)
-        # What the teacher writes, read back: its special tokens as the student's of the same role, and each of its
-        # tokens that stands for a student end token back as that end token (not as another token of a shared role),
-        # so that the student's text ends where the teacher's does. The teacher stops at every token that reads back
-        # as a student end: where the student would stop. (A student end without a counterpart is refused when the
-        # teacher is made.)
-        self.student_ends = list(self.trainer.eos_token_ids)
-        mapped_ends = [token_id for token_id in self.student_ends if token_id in self.specials]
-        self.student_specials = special_token_map(self.teacher_vocab, self.student_vocab)
-        self.student_specials.update({self.specials[token_id]: token_id for token_id in reversed(mapped_ends)})
-        self.teacher_ends = sorted(
-            {self.specials[token_id] for token_id in mapped_ends}
-            | {t for t, s in self.student_specials.items() if s in self.student_ends}
-        )
-        self._unreadable_warned = set()
-
-    def extensions(self, token_id: int) -> torch.Tensor:
-        """The teacher tokens whose bytes start with `token_id`'s (itself included; itself only for a special token)."""
-        if token_id not in self._extensions:
-            spelled = self.teacher_vocab.token_bytes[token_id]
-            ids = [token_id]
-            if spelled:
-                start = bisect.bisect_left(self._teacher_sorted, spelled)
-                ids, end = [], start
-                while end < len(self._teacher_sorted) and self._teacher_sorted[end].startswith(spelled):
-                    ids.append(self._teacher_sorted_ids[end])
-                    end += 1
-            self._extensions[token_id] = torch.tensor(ids)
-        return self._extensions[token_id]
-
-    def _refuse_unmapped_ends(self, eos_token_ids) -> None:
-        for token_id in eos_token_ids:
-            if token_id not in self.specials:
-                raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
-
-    def prompts(self, student_prompts, rows):
-        """Each row's prompt in the teacher's tokens: a conversation through the teacher's chat template (with the
-        generation prompt), a plain-text prompt tokenized as the teacher's tokenizer tokenizes text."""
-        prompts = []
-        for row in rows:
-            prompt = row["prompt"]
-            if isinstance(prompt, list):
-                if not self.tokenizer.chat_template:
-                    raise ValueError(
-                        f"the teacher's tokenizer ({self.tokenizer.name_or_path}) has no chat template, so it cannot "
-                        "read a conversational prompt in its own layout: give it one (`tokenizer.chat_template = ...`, "
-                        "saved with the teacher) or train on plain-text prompts"
-                    )
-                prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                prompts.append(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            else:
-                prompts.append(self.tokenizer(prompt)["input_ids"])
-        return prompts
-
-    def respell(self, student_ids: list[int]) -> list[int]:
-        """The student's tokens as the teacher's: each run of text tokenized by the teacher, each special token by
-        its counterpart of the same role, bytes that are no whole UTF-8 text as the teacher's one-byte tokens."""
-        out, text = [], b""
-        for token_id in student_ids:
-            spelled = self.student_vocab.token_bytes[token_id]
-            if spelled is not None:
-                text += spelled
-                continue
-            out += tokenized_bytes(text, self.tokenizer, self.byte_ids)
-            text = b""
-            if token_id not in self.specials:
-                raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
-            out.append(self.specials[token_id])
-        return out + tokenized_bytes(text, self.tokenizer, self.byte_ids)
-
-    def student_continuation(self, teacher_ids: list[int], max_new_tokens: int) -> list[int]:
-        """What the teacher wrote (its new tokens, `teacher_ids`) as the student's tokens, at most `max_new_tokens`:
-        each run of its text spelled in bytes and tokenized by the student's tokenizer, each special token as the
-        student's of the same role, ending after the first student end token. A token with no student counterpart (a
-        special token of no role the student has, an id the teacher's tokenizer has no token at) ends the text before
-        it, with a warning: the student cannot read it, and what follows was written after it. (An in-process teacher
-        is kept from writing those; a served one is not.)"""
-        out, text, vocab = [], b"", self.teacher_vocab.token_bytes
-        for token_id in teacher_ids:
-            spelled = vocab[token_id] if token_id < len(vocab) else None
-            if spelled is not None:
-                text += spelled
-                continue
-            if token_id not in self.student_specials:
-                self._warn_unreadable(token_id)
-                break
-            out += tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids)
-            text = b""
-            out.append(self.student_specials[token_id])
-            if out[-1] in self.student_ends:
-                break
-        return (out + tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids))[:max_new_tokens]
-
-    def _warn_unreadable(self, token_id: int) -> None:
-        if token_id in self._unreadable_warned:
-            return
-        self._unreadable_warned.add(token_id)
-        name = self.teacher_vocab.special_contents.get(token_id, "no token of its tokenizer")
-        logger.warning(
-            "The teacher of another tokenizer wrote id %d (%r), which has no counterpart among the student's tokens: "
-            "its text ends before it (said once per id).",
-            token_id,
-            name,
-        )
-
-    def _teacher_sequences(self, prompts, prefixes) -> list[list[int]]:
-        """Each teacher prompt followed by the student's prefix, if any, in the teacher's tokens."""
-        return joined(prompts, None if prefixes is None else [self.respell(prefix) for prefix in prefixes])
-
-    def _carry(self, completions, teacher_completions, scores: list[RowScores], end_logmass=None) -> list[RowScores]:
-        """The teacher's log-probs of its own tokens (`scores`, one row per completion) on the student's tokens, with
-        each token's `signal`; with `end_logmass` (one `(n_teacher,)` row per completion), each teacher token's "ends
-        here" moved where the student says it ([`move_teacher_ends`])."""
-        carried = []
-        for i, (student_ids, teacher_ids, row) in enumerate(
-            zip(completions, teacher_completions, scores, strict=True)
-        ):
-            alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
-            moved = None if end_logmass is None else end_logmass[i]
-            values, signal = self._carried_row(alignment, student_ids, row.logps, moved)
-            carried.append(RowScores(values, signal=signal))
-        return carried
-
-    def _carried_row(self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None):
-        """One row of `_carry`, its alignment made: `(values, signal)` on the student's tokens."""
-        values, signal = student_token_teacher_logprobs(alignment, teacher_logps.float().cpu())
-        if end_logmass is not None:
-            values = move_teacher_ends(alignment, values, student_ids, self.movable, end_logmass)
-        return values, signal
-
-    def _respelled(self, completions) -> list[list[int]]:
-        teacher_completions = [self.respell([int(t) for t in c]) for c in completions]
-        # Its forward runs over its own spelling of the completions: the FLOPs count the difference as its context
-        self.trainer._count_teacher_context(teacher_completions, completions)
-        return teacher_completions
 
 
 class TextReading(NamedTuple):
