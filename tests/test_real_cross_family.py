@@ -8,10 +8,10 @@ import pytest
 import torch
 from cpu_settings import CPU
 from peft import LoraConfig
-from test_real_model import converted, gsm8k, logs, smollm2_path  # noqa: F401 (the SmolLM2 fixture, converted once)
+from test_real_model import GSM8K, converted, gsm8k, logs, smollm2_path  # noqa: F401 (the SmolLM2 fixture, converted once)
 from transformers import AutoTokenizer
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, load_gsm8k
 from trl_statelens.real_models import GEMMA3, build_gemma3
 from trl_statelens.teachers import CrossTokenizerTeacher
 from trl_statelens.teachers.alignment import TeacherSignal
@@ -81,3 +81,27 @@ def test_smollm2_teaches_gemma3_the_other_way_round(tmp_path, smollm2_path, gemm
     trainer.train()
     (exact,) = logs(trainer, "alignment/exact")
     assert 0.5 < exact <= 1.0 and torch.isfinite(torch.tensor(logs(trainer, "loss"))).all()
+
+
+def test_gemma3_reads_solved_exchanges_in_its_own_turns(tmp_path, smollm2_path, gemma3_path):  # noqa: F811
+    """`teacher_reads_context` with the real pair (the cross-family study's teacher): Gemma reads two solved problems as
+    user/model turns of its own template, each answer closed by `<end_of_turn>`, then the question; SmolLM2's prompt
+    holds none of it."""
+    gsm8k("train", "chat", limit=1)  # skips without real GSM8K
+    dataset = load_gsm8k(str(GSM8K), "train", prompt_format="chat", limit=4, context_shots=2, context_format="chat")
+    args = OnPolicyDistillConfig(**{**CPU, "output_dir": str(tmp_path), "max_steps": 1, "per_device_train_batch_size": 2,
+                                    "num_generations": 2, "max_completion_length": 16, "teacher_reads_context": True})  # fmt: skip
+    trainer = OnPolicyDistillTrainer(model=str(smollm2_path), teacher_model=str(gemma3_path), args=args,
+                                     train_dataset=dataset)  # fmt: skip
+    row = dict(dataset[0])
+    student_ids = [list(ids) for ids in trainer._tokenize_prompts([row["prompt"]])[0]]
+    (teacher_ids,) = trainer._teacher_prompts(student_ids, [row])
+    shown = trainer.teacher.tokenizer.decode(teacher_ids)
+    shots = row["privileged_context"]
+    expected = "<bos>" + "".join(
+        f"<start_of_turn>{'user' if m['role'] == 'user' else 'model'}\n{m['content']}<end_of_turn>\n" for m in shots
+    )
+    assert shown.startswith(expected)
+    assert shown.endswith(f"<start_of_turn>user\n{row['question']}<end_of_turn>\n<start_of_turn>model\n")
+    student_text = trainer._tokenizer.decode(student_ids[0])
+    assert shots[1]["content"] not in student_text and row["question"] in student_text
