@@ -6,7 +6,9 @@ to dev problems behind the student's prompt and behind each teacher view (the se
 
 `--model gemma3-270m` (after `make install-gemma3`) measures Gemma 3 270M behind the same views, in its own chat
 template, the end of its turn (`<end_of_turn>`, what SmolLM2's `<|im_end|>` maps to) as the end token: what a teacher
-of another family would read and want.
+of another family would read and want. `--chat_template FILE` reads the views through another template (a text
+layout for a base model, `recipes/configs/real/text_frame.jinja`); a template whose turns end with no special token
+of their own ends them with the tokenizer's eos.
 
 Views, all in the model's chat template:
 - `student`: the question alone (what the student sees);
@@ -110,12 +112,22 @@ def end_turn_with_its_token(model, tokenizer) -> None:
     model.generation_config.eos_token_id = end
 
 
-def main(data: Path, n: int, out: Path, max_new_tokens: int, views=VIEWS, model_name: str = SMOLLM2) -> dict:
+def main(
+    data: Path,
+    n: int,
+    out: Path,
+    max_new_tokens: int,
+    views=VIEWS,
+    model_name: str = SMOLLM2,
+    chat_template: Path | None = None,
+) -> dict:
     if not (data / "gsm8k").is_dir():
         sys.exit(f"needs real GSM8K at {data / 'gsm8k'} (see ../shared/data/README.md)")
     path = resolve_model(model_name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    if chat_template is not None:  # the layout a teacher folder saved with this template would read
+        tokenizer.chat_template = chat_template.read_text()
     end_turn_with_its_token(model, tokenizer)
     dev, pool = real_splits(data)
     rows = dev[:n]
@@ -164,5 +176,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("runs/real-study"))
     parser.add_argument("--views", nargs="+", default=list(VIEWS), choices=VIEWS, help="measure these again")
     parser.add_argument("--model", default=SMOLLM2, help="the model behind the views (smollm2-135m, gemma3-270m)")
+    parser.add_argument("--chat_template", type=Path, help="a Jinja chat template file read instead of the model's")
     args = parser.parse_args()
-    main(args.data, args.n, args.out, args.max_new_tokens, args.views, args.model)
+    main(args.data, args.n, args.out, args.max_new_tokens, args.views, args.model, args.chat_template)
