@@ -4,6 +4,7 @@ another lab tokenizer's teacher gives the student's tokens its own log-probs of 
 its next-token distributions where both tokenizations cut."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from cpu_settings import CPU
 from launching import free_port, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, load_gsm8k
 from trl_statelens.opd import trainer as opd_trainer
 from trl_statelens.reports.states_data import sequence_entry
 from trl_statelens.teachers import CrossTokenizerTeacher, InProcessTeacher
@@ -624,3 +625,47 @@ def test_divergence_from_a_teacher_of_another_tokenizer_trains_and_logs_what_was
     assert min(e["alignment/mapped"] for e in logged) < 1.0
     samples = [json.loads(line) for line in (tmp_path / "statelens" / "states.jsonl").read_text().splitlines()]
     assert samples and all(len(s["teacher_exact"]) == len(s["logp"]) for s in samples)
+
+
+def test_teacher_reads_the_students_text_when_asked(tmp_path, math_trained_path, other_teacher_path):
+    """`teacher_reads_student_text`: the teacher of another tokenizer reads the student's prompt tokens decoded, the
+    student's chat markup included, as GOLD's teacher does; by default it renders the conversation in its own chat
+    template (here a plain `User:`/`Assistant:` layout, turns ended by the eos, saved with a copy of the teacher, so
+    the two differ)."""
+    teacher_copy = tmp_path / "teacher"
+    shutil.copytree(other_teacher_path, teacher_copy)
+    (teacher_copy / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}Assistant:{% endif %}"
+    )
+    data = load_gsm8k("lab", "train", prompt_format="chat", limit=8)
+    rows = [dict(row) for row in data.select(range(2))]
+    read = {}
+    for as_text in (False, True):
+        trainer = OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(teacher_copy),
+            args=opd_config(tmp_path / str(as_text), teacher_reads_student_text=as_text),
+            train_dataset=data,
+            state_logging=False,
+        )
+        student_ids = [list(ids) for ids in trainer._tokenize_prompts([row["prompt"] for row in rows])[0]]
+        read[as_text] = trainer.teacher.prompts(student_ids, rows)
+        teacher_tokenizer = trainer.teacher.tokenizer
+    student_text = [trainer._tokenizer.decode(ids) for ids in student_ids]
+    assert read[True] == [teacher_tokenizer(text)["input_ids"] for text in student_text]
+    own = [teacher_tokenizer.decode(ids) for ids in read[False]]
+    assert all(text.startswith("User: ") and text.endswith("Assistant:") for text in own)
+    assert all(text not in mine for text, mine in zip(student_text, own))
+
+
+def test_reading_the_students_text_without_a_teacher_of_another_tokenizer_is_refused(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset
+):
+    with pytest.raises(ValueError, match="teacher_reads_student_text=True, but no teacher has another tokenizer"):
+        OnPolicyDistillTrainer(
+            model=str(math_trained_path),
+            teacher_model=str(math_teacher_path),
+            args=opd_config(tmp_path, teacher_reads_student_text=True),
+            train_dataset=math_dataset,
+        )

@@ -111,6 +111,11 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
             Refused when no teacher is loaded from a path (a model instance, a served or a self teacher).
+        teacher_reads_student_text (`bool`, *optional*, defaults to `False`):
+            For a teacher of another tokenizer (docs/cross-tokenizer.md): it reads each prompt as the student's text,
+            the student's prompt tokens decoded (its chat template's markup included) and tokenized by the teacher's
+            tokenizer with its BOS, as TRL's GOLD gives its teacher the decoded text. By default it reads a
+            conversation through its own chat template. Refused when no teacher has another tokenizer.
 
         > Teacher budget: where the teacher's compute goes
 
@@ -303,6 +308,12 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     )
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}
+    )
+    teacher_reads_student_text: bool = field(
+        default=False,
+        metadata={
+            "help": "A teacher of another tokenizer reads prompts as the student's decoded text, not its template."
+        },
     )
 
     # ----- teacher budget: where the teacher's compute goes (rollout horizon, state selection, teacher cache) --------

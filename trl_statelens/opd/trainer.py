@@ -233,6 +233,12 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             self.teacher = served_teacher(self, teacher_path)
         else:
             self.teacher = teacher_in_process(self, teacher_model, teacher_path)
+        if args.teacher_reads_student_text and not self.teacher.crosses_tokenizers:
+            raise ValueError(
+                "teacher_reads_student_text=True, but no teacher has another tokenizer than the student's: a teacher of "
+                "the student's tokenizer reads its prompt tokens as they are, so the setting is never read. Leave it "
+                "False"
+            )
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
         # served teacher, several teachers)
         self.teacher_model = self.teacher.model

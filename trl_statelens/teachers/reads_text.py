@@ -122,7 +122,12 @@ class ReadsText:
 
     def prompts(self, student_prompts, rows):
         """Each row's prompt in the teacher's tokens: a conversation through the teacher's chat template (with the
-        generation prompt), a plain-text prompt tokenized as the teacher's tokenizer tokenizes text."""
+        generation prompt), a plain-text prompt tokenized as the teacher's tokenizer tokenizes text; with
+        `teacher_reads_student_text`, the student's prompt tokens (`student_prompts`) decoded, markup included, and
+        tokenized as text."""
+        if self.trainer.args.teacher_reads_student_text:
+            texts = [self.student_tokenizer.decode(ids, skip_special_tokens=False) for ids in student_prompts]
+            return [self.tokenizer(text)["input_ids"] for text in texts]
         prompts = []
         for row in rows:
             prompt = row["prompt"]
