@@ -70,9 +70,8 @@ class ReadsText:
         # the teacher's "its token ends here" is moved onto the student's next token (`alignment.move_teacher_ends`)
         extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
         self.movable = torch.tensor([spelled in extended for spelled in self.student_vocab.token_bytes])
-        order = sorted((spelled, i) for i, spelled in enumerate(self.teacher_vocab.token_bytes) if spelled)
-        self._teacher_sorted = [spelled for spelled, _ in order]
-        self._teacher_sorted_ids = [i for _, i in order]
+        self._teacher_sorted = None  # the teacher's spellings in order, with their ids: sorted on first use (the ends
+        # terms of an in-process teacher whose tokens extend the student's; a served one never asks)
         self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
         # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
         self.number_tokens = torch.tensor(
@@ -107,10 +106,14 @@ class ReadsText:
             spelled = self.teacher_vocab.token_bytes[token_id]
             ids = [token_id]
             if spelled:
-                start = bisect.bisect_left(self._teacher_sorted, spelled)
+                if self._teacher_sorted is None:
+                    order = sorted((s, i) for i, s in enumerate(self.teacher_vocab.token_bytes) if s)
+                    self._teacher_sorted = ([s for s, _ in order], [i for _, i in order])
+                spellings, sorted_ids = self._teacher_sorted
+                start = bisect.bisect_left(spellings, spelled)
                 ids, end = [], start
-                while end < len(self._teacher_sorted) and self._teacher_sorted[end].startswith(spelled):
-                    ids.append(self._teacher_sorted_ids[end])
+                while end < len(spellings) and spellings[end].startswith(spelled):
+                    ids.append(sorted_ids[end])
                     end += 1
             self._extensions[token_id] = torch.tensor(ids)
         return self._extensions[token_id]
