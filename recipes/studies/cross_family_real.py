@@ -16,7 +16,8 @@ its last 10 steps against its first 10 (`teacher_kl_change`: bootstrap over step
 training on K1's test items (250 GSM8K test problems, greedy, 256 tokens; 200 TruthfulQA questions); `test.json` and
 `test.md` hold paired differences with 95% bootstrap intervals over items against the base and against K1's student,
 both read from their committed answers (`docs/study/real/ends-test/opd/eval/`), and what the run's records show
-(the alignment's exact share, the teacher KL, how rollouts end). A run folder holding `results.json` is not run again.
+(the alignment's exact share, the teacher KL, how rollouts end). A run folder holding its evaluated answers
+(`eval/after.items.jsonl`) is not run again.
 """
 
 import argparse
@@ -115,7 +116,7 @@ def records(run_dir: Path) -> dict:
 def main(data: Path, out: Path, smoke: bool) -> dict:
     folder = write_test_data(data, out)
     run_dir = out / "opd"
-    if not (run_dir / "results.json").exists():
+    if not (run_dir / "eval" / "after.items.jsonl").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         run(train_command(folder, teacher_folder(out), run_dir, smoke), out / "logs" / "opd.log")
@@ -131,7 +132,10 @@ def main(data: Path, out: Path, smoke: bool) -> dict:
             f"{a} - {b}": {m: paired(arms[a][m], arms[b][m]) for m in arms[a] if m in arms[b]} for a, b in comparisons
         },
         "records": records(run_dir),
-        "compute": json.loads((run_dir / "results.json").read_text()).get("compute"),
+        # (the recipe writes results.json after scoring the teacher on the target too, which this study does not read)
+        "compute": json.loads((run_dir / "results.json").read_text()).get("compute")
+        if (run_dir / "results.json").exists()
+        else None,
     }
     change = results["teacher_kl"] = teacher_kl_change(json.loads((run_dir / "log_history.json").read_text()))
     results["reading"] = (
