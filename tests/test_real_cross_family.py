@@ -56,7 +56,9 @@ def test_gemma3_teaches_smollm2_through_its_own_tokens(tmp_path, smollm2_path, g
     carried = [row.scores.result()[row.index] for row in teacher.score(prompts, completions)]
     own = teacher._score_rows(prompts, [teacher.respell(c) for c in completions])
     for row, own_row in zip(carried, own):
-        torch.testing.assert_close(row.logps.sum(), own_row.logps.float().sum(), rtol=1e-5, atol=1e-3)
+        # two float32 computations of Gemma's 262k-way log-softmax (the scoring's whole-vocabulary one, for the ends
+        # terms, and `_score_rows`') part by up to 1e-4 a token: 1e-4 relative over a few hundred tokens
+        torch.testing.assert_close(row.logps.sum(), own_row.logps.float().sum(), rtol=1e-4, atol=1e-3)
         assert (row.signal == TeacherSignal.EXACT).float().mean() > 0.9
     trainer.train()
     (exact,) = logs(trainer, "alignment/exact")
