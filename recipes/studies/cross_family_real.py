@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from real_opd_study import ENDS, ROOT, SETTING, SMOKE, _fmt, arm_scores, paired, write_test_data
+from real_opd_study import ENDS, ROOT, SETTING, SMOKE, arm_scores, paired, result_tables, write_test_data
 from study_lab import run
 
 K1_ITEMS = ROOT / "docs" / "study" / "real" / "ends-test" / "opd" / "eval"
@@ -146,17 +146,7 @@ def main(data: Path, out: Path, smoke: bool) -> dict:
         else "no change resolved"
     )
     (out / "test.json").write_text(json.dumps(results, indent=2))
-    lines = ["| comparison | metric | difference | 95% interval | items |", "|---|---|---:|---|---:|"]
-    for comparison, metrics in results["paired"].items():
-        for metric, d in metrics.items():
-            lines.append(
-                f"| {comparison} | {metric} | {d['difference']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] "
-                f"| {d['items']} |"
-            )
-    metrics = list(arms["base"])
-    lines += ["", "| model | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
-    for arm, values in results["means"].items():
-        lines.append(f"| {arm} | " + " | ".join(_fmt(values.get(m)) for m in metrics) + " |")
+    lines = result_tables(results, list(arms["base"]))
     lines += [
         "",
         f"teacher KL on fresh prompts, steps 1-{WINDOW} -> last {WINDOW}: {change['first']:.3f} -> {change['last']:.3f}, "

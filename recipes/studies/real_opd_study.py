@@ -527,20 +527,25 @@ def test_phase(data: Path, out: Path, smoke: bool) -> dict:
         "lens": lens_summary(opd),
     }
     (out / "test.json").write_text(json.dumps(results, indent=2))
+    text = "\n".join(result_tables(results, list(arms["base"])))
+    (out / "test.md").write_text(text + "\n")
+    print(text)
+    return results
+
+
+def result_tables(results: dict, metrics: list[str]) -> list[str]:
+    """`test.md`'s lines: the paired differences (`results["paired"]`), then each arm's means of `metrics`."""
     lines = ["| comparison | metric | difference | 95% interval | items |", "|---|---|---:|---|---:|"]
-    for comparison, metrics in results["paired"].items():
-        for metric, d in metrics.items():
+    for comparison, compared in results["paired"].items():
+        for metric, d in compared.items():
             lines.append(
                 f"| {comparison} | {metric} | {d['difference']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] "
                 f"| {d['items']} |"
             )
-    means = ["", "| model | " + " | ".join(arms["base"]) + " |", "|---|" + "---:|" * len(arms["base"])]
+    lines += ["", "| model | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
     for arm, values in results["means"].items():
-        means.append(f"| {arm} | " + " | ".join(_fmt(values.get(m)) for m in arms["base"]) + " |")
-    text = "\n".join(lines + means)
-    (out / "test.md").write_text(text + "\n")
-    print(text)
-    return results
+        lines.append(f"| {arm} | " + " | ".join(_fmt(values.get(m)) for m in metrics) + " |")
+    return lines
 
 
 def _fmt(value: float | None) -> str:
