@@ -57,6 +57,17 @@ def test_chunk_helpers_sum_and_spread_within_chunks():
     assert torch.equal(shared_out_over_chunks(values, values + 1, exact), values)
 
 
+def assert_trained_alike(direct, direct_log, cross, cross_log, student_path):
+    """One step through the direct and the cross-tokenizer path: the same loss and teacher KL, and the same parameters
+    after it (the step having moved them)."""
+    assert cross_log["loss"] == pytest.approx(direct_log["loss"], abs=1e-6)
+    assert cross_log["teacher_kl/sampled"] == pytest.approx(direct_log["teacher_kl/sampled"], abs=1e-6)
+    before = {n: p for n, p in AutoModelForCausalLM.from_pretrained(student_path).named_parameters()}
+    assert any(not torch.equal(direct[n], before[n]) for n in direct)  # the step moved the student
+    for name in direct:
+        torch.testing.assert_close(cross[name], direct[name], rtol=1e-5, atol=1e-6)
+
+
 def _trained_parameters(trainer):
     trainer.train()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -83,12 +94,7 @@ def test_same_tokenizer_through_the_cross_tokenizer_path_trains_as_the_direct_pa
         runs[kind] = (_trained_parameters(trainer), trainer.state.log_history[0])
     (direct, direct_log), (cross, cross_log) = runs["direct"], runs["cross"]
     assert cross_log["alignment/exact"] == 1.0 and "alignment/exact" not in direct_log
-    assert cross_log["loss"] == pytest.approx(direct_log["loss"], abs=1e-6)
-    assert cross_log["teacher_kl/sampled"] == pytest.approx(direct_log["teacher_kl/sampled"], abs=1e-6)
-    before = {n: p for n, p in AutoModelForCausalLM.from_pretrained(math_trained_path).named_parameters()}
-    assert any(not torch.equal(direct[n], before[n]) for n in direct)  # the step moved the student
-    for name in direct:
-        torch.testing.assert_close(cross[name], direct[name], rtol=1e-5, atol=1e-6)
+    assert_trained_alike(direct, direct_log, cross, cross_log, math_trained_path)
 
 
 def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
@@ -491,12 +497,7 @@ def test_same_tokenizer_through_the_cross_tokenizer_path_gives_the_same_divergen
     (direct, direct_log), (cross, cross_log) = runs["direct"], runs["cross"]
     assert cross_log["alignment/mapped"] == 1.0 and cross_log["alignment/leftover"] == 0.0
     assert cross_log["alignment/exact"] == 1.0 and "alignment/mapped" not in direct_log
-    assert cross_log["loss"] == pytest.approx(direct_log["loss"], abs=1e-6)
-    assert cross_log["teacher_kl/sampled"] == pytest.approx(direct_log["teacher_kl/sampled"], abs=1e-6)
-    before = {n: p for n, p in AutoModelForCausalLM.from_pretrained(math_trained_path).named_parameters()}
-    assert any(not torch.equal(direct[n], before[n]) for n in direct)  # the step moved the student
-    for name in direct:
-        torch.testing.assert_close(cross[name], direct[name], rtol=1e-5, atol=1e-6)
+    assert_trained_alike(direct, direct_log, cross, cross_log, math_trained_path)
 
 
 def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distribution_where_both_cut(

@@ -10,27 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_settings import CPU
 from launching import free_port, launch
+from test_cross_tokenizer_teacher import opd_config as teacher_opd_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+from trl_statelens import OnPolicyDistillTrainer
 from trl_statelens.lab.model import build_qwen3
 from trl_statelens.teachers import CrossTokenizerTeacher, InProcessTeacher
 
 
 def opd_config(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=16,
-        learning_rate=1e-3,
-        temperature=1.0,
-        signal="continuation",
-    )
-    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+    """The cross-tokenizer tests' settings, writing: `continuation`, 16 tokens."""
+    return teacher_opd_config(tmp_path, **{"max_completion_length": 16, "signal": "continuation", **kwargs})
 
 
 def spelled(vocab, ids) -> bytes:
