@@ -536,8 +536,9 @@ def test_the_teacher_tokens_plot_reads_each_evaluation_at_the_teacher_tokens_spe
 
 
 def test_the_alignment_plot_draws_the_exact_share_of_all_tokens_and_of_digits_per_step(runs, tmp_path, monkeypatch):
-    """A teacher of another tokenizer: `alignment/exact` (solid) and `alignment/exact/numbers` (dashed) as logged,
-    a step without digits left out of the dashed line; runs that never logged them get no line."""
+    """A teacher of another tokenizer: `alignment/exact` and `alignment/exact/numbers` as logged, each in its colour
+    and the run's line style, a step without digits left out of the digits' line; runs that never logged them get no
+    line."""
     from trl_statelens.reports import plots
 
     log_history = [
@@ -556,8 +557,42 @@ def test_the_alignment_plot_draws_the_exact_share_of_all_tokens_and_of_digits_pe
     all_tokens, digits = ax.lines
     assert list(all_tokens.get_xdata()) == [1, 2, 3] and list(all_tokens.get_ydata()) == [0.9, 0.95, 0.8]
     assert list(digits.get_xdata()) == [1, 3] and list(digits.get_ydata()) == [0.4, 0.5]
-    assert all_tokens.get_label() == "cross: all tokens" and digits.get_linestyle() == "--"
+    assert all_tokens.get_label() == "cross: all tokens" and all_tokens.get_color() != digits.get_color()
+    assert all_tokens.get_linestyle() == digits.get_linestyle()
     assert "](alignment.png)" in text
     assert_not_blank(tmp_path / "report" / "alignment.png")
     text = write_report([runs["opd"]], tmp_path / "same").read_text()
     assert "No plot 'Where a teacher of another tokenizer is exact'" in text
+
+
+def test_a_panel_of_several_metrics_per_run_colours_the_metrics_and_styles_the_runs(tmp_path, monkeypatch):
+    """endings.png draws three shares of each run in one panel: one run's metrics have distinct colours, the same
+    metric of two runs has one colour and distinct line styles, and the legend names the metrics and the runs."""
+    from trl_statelens.reports import endings
+
+    ends = [{"ends/length_limit": 0.5, "ends/end_token": 0.5, "ends/repeats": 0.1 * i} for i in range(4)]
+    folders = [
+        write_run(
+            tmp_path / name,
+            steps=[{**line, **end} for line, end in zip(step_lines(4, sources={"learner": 1.0}), ends)],
+        )  # fmt: skip
+        for name in ("first", "second")
+    ]
+    figures = {}
+    save = endings.save
+    monkeypatch.setattr(
+        endings, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+    )
+    write_report(folders, tmp_path / "report")
+    top = figures["endings.png"].axes[0]
+    lines = {line.get_label(): line for line in top.lines}
+    metrics = ("cut at the limit", "ended (end token)", "repeating")
+    for run in ("first", "second"):
+        colours = {lines[f"{run}: {what}"].get_color() for what in metrics}
+        assert len(colours) == len(metrics), f"{run}'s metrics share a colour"
+    for what in metrics:
+        first, second = lines[f"first: {what}"], lines[f"second: {what}"]
+        assert first.get_color() == second.get_color()
+        assert first.get_linestyle() != second.get_linestyle()
+    legend = [text.get_text() for text in top.get_legend().get_texts()]
+    assert legend == [*metrics, "first", "second"]

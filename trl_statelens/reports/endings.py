@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..answers import repeats_itself
-from .figures import new_figure, save
+from .figures import METRIC_COLORS, metrics_and_runs_legend, new_figure, save
 from .run_folders import Run, column
 
 # how an end-of-sequence token reads in a ledger sequence recorded before its `end` field: `<|im_end|>`, `</s>`, ...
@@ -70,43 +70,48 @@ def ending_curves(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return curves
 
 
-SHARES = {  # curve -> (line style, what it is)
-    "ends/length_limit": ("-", "cut at the limit"),
-    "ends/end_token": ("--", "ended (end token)"),
-    "ends/repeats": (":", "repeating"),
-    "sampled repeats": ("", "repeating (ledger samples)"),
-    "probes ends_repeats": ("-.", "probes repeating"),
+# curve -> what it is; each curve has its colour (METRIC_COLORS in this order), each run its line style. The ledger's
+# sampled sequences give a few points, drawn without a line.
+SHARES = {
+    "ends/length_limit": "cut at the limit",
+    "ends/end_token": "ended (end token)",
+    "ends/repeats": "repeating",
+    "sampled repeats": "repeating (ledger samples)",
+    "probes ends_repeats": "probes repeating",
 }
 TEACHER_VIEW = {
-    "teacher_end/logp_at_student_ends": ("-", "teacher log-prob of the student's end tokens"),
-    "sampled teacher_end/logp_at_student_ends": ("", "teacher log-prob of the end tokens (ledger samples)"),
-    "teacher_end/advantage_after_answer_go_on": ("--", "advantage of going on after #### N"),
-    "teacher_end/advantage_after_answer_end": (":", "advantage of ending after #### N"),
-    "probes teacher_end/logp_after_answer": ("-.", "probes: teacher log-prob of ending after #### N"),
-    "probes student_end/logp_after_answer": ((0, (1, 3)), "probes: student log-prob of ending after #### N"),
+    "teacher_end/logp_at_student_ends": "teacher log-prob of the student's end tokens",
+    "sampled teacher_end/logp_at_student_ends": "teacher log-prob of the end tokens (ledger samples)",
+    "teacher_end/advantage_after_answer_go_on": "advantage of going on after #### N",
+    "teacher_end/advantage_after_answer_end": "advantage of ending after #### N",
+    "probes teacher_end/logp_after_answer": "probes: teacher log-prob of ending after #### N",
+    "probes student_end/logp_after_answer": "probes: student log-prob of ending after #### N",
 }
 
 
 def plot_endings(runs, styles, out_dir: Path) -> Path | None:
-    """Two panels over steps: how rollouts end (and repeat), and the teacher's signal at the end."""
+    """Two panels over steps: how rollouts end (and repeat), and the teacher's signal at the end. Colour: the metric;
+    line style and marker: the run."""
     curves = {run.label: ending_curves(run) for run in runs}
     curves = {label: c for label, c in curves.items() if c}
     if not curves:
         return None
     figure, (top, bottom) = new_figure(size=(7.0, 6.5), rows=2)
-    for label, run_curves in curves.items():
-        for panel, kinds in ((top, SHARES), (bottom, TEACHER_VIEW)):
-            for name, (style, what) in kinds.items():
+    for panel, kinds in ((top, SHARES), (bottom, TEACHER_VIEW)):
+        drawn, runs_drawn = {}, {}  # for the legend: what -> (colour, points only); label -> the run's style
+        for name, color in zip(kinds, METRIC_COLORS):
+            what, points_only = kinds[name], name.startswith("sampled ")
+            for label, run_curves in curves.items():
                 if name not in run_curves:
                     continue
                 x, y = run_curves[name]
-                color, width = styles[label]["color"], styles[label]["width"]
-                if style == "":  # ledger samples: a few points, not a curve
-                    panel.plot(x, y, "x", color=color, label=f"{label}: {what}", markersize=5)
-                else:
-                    # markers too: a value logged only on some steps (NaN between) is an isolated point
-                    panel.plot(x, y, linestyle=style, marker="o", markersize=3, color=color, linewidth=width,
-                               label=f"{label}: {what}")  # fmt: skip
+                style = styles[label]
+                # markers on curves too: a value logged only on some steps (NaN between) is an isolated point
+                panel.plot(x, y, color=color, linestyle="none" if points_only else style["line"],
+                           marker=style["marker"], markersize=5 if points_only else 3,
+                           linewidth=style["width"], label=f"{label}: {what}")  # fmt: skip
+                drawn[what], runs_drawn[label] = (color, points_only), style
+        metrics_and_runs_legend(panel, drawn, {label: runs_drawn[label] for label in curves if label in runs_drawn})
     top.set_ylabel("share of rollouts")
     top.set_ylim(-0.02, 1.02)
     top.set_title("How rollouts end, and how many repeat themselves")
@@ -114,7 +119,4 @@ def plot_endings(runs, styles, out_dir: Path) -> Path | None:
     bottom.set_ylabel("nats")
     bottom.set_xlabel("optimizer step")
     bottom.set_title("The teacher's view of the end (advantage > 0: pushed that way)")
-    for ax in (top, bottom):
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="best", framealpha=0.85)
     return save(figure, out_dir, "endings.png")

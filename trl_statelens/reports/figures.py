@@ -12,6 +12,10 @@ FIGURE_SIZE = (7.0, 4.5)
 TALL_FIGURE_SIZE = (7.0, 6.0)
 DPI = 120
 SMOOTH_ABOVE_POINTS = 100  # longer curves are drawn faint per step, with a moving average on top
+# A panel that draws several metrics of each run gives each metric its colour and each run its line style (and marker
+# shape), so one run's metrics never share a colour; the run's colour of the other plots is not used there.
+RUN_LINES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+METRIC_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 
 
 def new_figure(size=FIGURE_SIZE, rows: int = 1, sharex: bool = True):
@@ -49,6 +53,29 @@ def plot_curve(ax, x: np.ndarray, y: np.ndarray, style: dict, label: str, smooth
     smooth = pd.Series(y).rolling(window, center=True, min_periods=1).mean().to_numpy()
     ax.plot(x, y, color=color, alpha=0.25, linewidth=0.8)
     ax.plot(x, smooth, color=color, label=label, linewidth=width)
+
+
+def metrics_and_runs_legend(ax, metrics: dict, runs: dict) -> None:
+    """One legend for a panel of several metrics per run: `metrics` maps what a metric is to its (colour, marker-only),
+    `runs` a run's label to its style (`line`, `marker`). Metrics are listed in their colours; with several runs, each
+    run follows in grey in its line style."""
+    from matplotlib.lines import Line2D
+
+    if not metrics:
+        return
+    # one run: its metrics in its own line style; several: metrics as plain solid lines, the runs' styles below them
+    metric_style = next(iter(runs.values())) if len(runs) == 1 else {"line": "-", "marker": None}
+    handles = []
+    for what, (color, points_only) in metrics.items():
+        line = "none" if points_only else metric_style["line"]
+        marker = metric_style["marker"] or ("o" if points_only else None)
+        handles.append(Line2D([], [], color=color, linestyle=line, marker=marker, markersize=4, label=what))
+    if len(runs) > 1:
+        handles += [
+            Line2D([], [], color="dimgray", linestyle=style["line"], marker=style["marker"], markersize=4, label=label)
+            for label, style in runs.items()
+        ]
+    ax.legend(handles=handles, fontsize=7, loc="best", framealpha=0.85)
 
 
 def finish_legend(ax) -> None:

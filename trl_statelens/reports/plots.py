@@ -9,7 +9,17 @@ import numpy as np
 import pandas as pd
 
 from .endings import plot_endings
-from .figures import SMOOTH_ABOVE_POINTS, TALL_FIGURE_SIZE, finish_legend, new_figure, plot_curve, save
+from .figures import (
+    METRIC_COLORS,
+    RUN_LINES,
+    SMOOTH_ABOVE_POINTS,
+    TALL_FIGURE_SIZE,
+    finish_legend,
+    metrics_and_runs_legend,
+    new_figure,
+    plot_curve,
+    save,
+)
 from .run_folders import (
     TARGET_METRIC,
     TARGET_TASK,
@@ -166,26 +176,29 @@ def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
 
 def plot_alignment(runs, styles, out_dir) -> Path | None:
     """From a teacher of another tokenizer, per step: the share of supervised tokens whose teacher log-prob is exact
-    (`alignment/exact`, solid) and the same among tokens that spell a digit (`alignment/exact/numbers`, dashed)."""
+    (`alignment/exact`) and the same among tokens that spell a digit (`alignment/exact/numbers`). Colour: the metric;
+    line style: the run."""
     logged = {
         run.label: entries for run in runs if (entries := [e for e in run.log_history or [] if "alignment/exact" in e])
     }
     if not logged:
         return None
     figure, (ax,) = new_figure()
+    metrics = {"alignment/exact": "all tokens", "alignment/exact/numbers": "digits"}
     for label, entries in logged.items():
         steps = np.array([e["step"] for e in entries])
-        for key, line, kind in (("alignment/exact", "-", "all tokens"), ("alignment/exact/numbers", "--", "digits")):
+        for (key, kind), color in zip(metrics.items(), METRIC_COLORS):
             values = np.array([e.get(key, np.nan) for e in entries], dtype=float)
             keep = np.isfinite(values)
             style = styles[label]
-            ax.plot(steps[keep], values[keep], color=style["color"], linestyle=line, marker=style["marker"],
+            ax.plot(steps[keep], values[keep], color=color, linestyle=style["line"], marker=style["marker"],
                     markersize=3, label=f"{label}: {kind}")  # fmt: skip
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("share of supervised tokens")
     ax.set_title("Teacher of another tokenizer: where its log-probs are exact")
-    finish_legend(ax)
+    metric_colors = {kind: (color, False) for kind, color in zip(metrics.values(), METRIC_COLORS)}
+    metrics_and_runs_legend(ax, metric_colors, {label: styles[label] for label in logged})
     return save(figure, out_dir, "alignment.png")
 
 
@@ -387,6 +400,7 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
         run.label: {
             "color": colormaps[palette](index % 20),
             "marker": markers[index % len(markers)],
+            "line": RUN_LINES[index % len(RUN_LINES)],
             "width": 1.5 + 1.5 * (last - index) / last if len(runs) > 1 else 1.8,
         }
         for index, run in enumerate(runs)
@@ -468,7 +482,9 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
         Block(
             "text",
             "Each run keeps its colour in every plot; earlier runs are drawn wider, so a run that coincides with "
-            f"a later one still shows around it. Per-step curves longer than {SMOOTH_ABOVE_POINTS} steps are "
+            "a later one still shows around it. Where a panel draws several metrics of each run (how rollouts end, "
+            "where a teacher of another tokenizer is exact), the colour is the metric and the line style the run, "
+            f"as its legend says. Per-step curves longer than {SMOOTH_ABOVE_POINTS} steps are "
             "drawn faint, with a moving average over 2% of the steps on top; probe drift is drawn as measured.",
         ),
     ]
