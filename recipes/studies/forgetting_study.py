@@ -7,9 +7,9 @@ candidate statistics of each at 10%, 25% and 100% of its steps, and how well eac
     python recipes/studies/forgetting_study.py --analyse_only --out runs/forgetting-study --to docs/study/forgetting
 
 The plan (grid, statistics, analysis, decision rule) is pre-registered in STUDY.md, "Forecasting forgetting from
-states (issue 29)". Every run is a recipe (sft.py, grpo.py, opd.py) with its lab config and the grid's flags; a run
-whose `results.json` exists is skipped, so an interrupted study continues where it stopped. Runs skip the before
-evaluation: Forgetting and Retention are taken against the study's own base evaluation (`<out>/base`). Each run
+states: pre-registered plan". Every run is a recipe (sft.py, grpo.py, opd.py) with its lab config and the grid's
+flags; a run whose `results.json` exists is skipped, so an interrupted study continues where it stopped. Runs skip
+the before evaluation: Forgetting and Retention are taken against the study's own base evaluation (`<out>/base`). Each run
 saves its model (weights only) every `probe_steps` steps so the parameter distance from the base can be read at
 10% and 25%; those checkpoints are deleted once the run's statistics are written (`<run>/forecast_stats.json`).
 
