@@ -580,8 +580,8 @@ def random_vocabulary(name: str, generator: torch.Generator, specials: list[str]
 def test_the_carried_divergence_is_never_negative_and_zero_where_the_student_is_the_carried_teacher():
     """Random small vocabularies and distributions (some teacher tokens at 0, some mass on a special token the student
     cannot read, a position with nothing readable; every other case a student vocabulary the teacher reaches whole):
-    at every `jsd_beta` the loss is >= 0, and 0 for a student that is the carried teacher renormalised over what the
-    student can read."""
+    at every `jsd_beta` the loss is >= 0 with a finite gradient, and 0 for a student that is the carried teacher
+    renormalised over what the student can read."""
     generator = torch.Generator().manual_seed(0)
     for case in range(60):
         teacher = random_vocabulary("teacher", generator, ["<eos>=eos", "<img>="])
@@ -597,11 +597,13 @@ def test_the_carried_divergence_is_never_negative_and_zero_where_the_student_is_
         carried = map_next_token_distribution(next_token_map(teacher, student), teacher_probs).student_probs
         readable = carried.sum(-1, keepdim=True)
         as_teacher = (carried / readable.clamp(min=1e-300)).log()
-        random_student = torch.randn(5, len(student), generator=generator, dtype=torch.float64) * 3
+        logits = (torch.randn(5, len(student), generator=generator, dtype=torch.float64) * 3).requires_grad_(True)
         for beta in (0.0, 0.5, 1.0, torch.rand(1, generator=generator).item()):
-            loss = mapped_jsd(random_student.log_softmax(-1), carried, beta)
+            loss = mapped_jsd(logits.log_softmax(-1), carried, beta)
             assert (loss >= 0).all(), (case, beta, loss)
             assert loss[0] == 0  # nothing readable: nothing compared
+            (grad,) = torch.autograd.grad(loss.sum(), logits)
+            assert grad.isfinite().all() and (grad[0] == 0).all()
             matched = mapped_jsd(as_teacher, carried, beta)
             torch.testing.assert_close(matched, torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0)
 
