@@ -8,6 +8,7 @@ and Gemma 3 on real GSM8K) runs when its tokenizers are on this machine, and is 
 """
 
 import json
+import math
 import os
 import zlib
 from fractions import Fraction
@@ -19,15 +20,18 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from trl_statelens.heads import mapped_jsd
 from trl_statelens.teachers.alignment import (
     TeacherSignal,
     align_token_ids,
+    continuation_mass,
     map_next_token_distribution,
+    move_teacher_ends,
     next_token_map,
     student_token_teacher_logprobs,
     student_tokens_the_teacher_extends,
 )
-from trl_statelens.teachers.byte_vocab import byte_level_alphabet, byte_vocabulary, special_token_map
+from trl_statelens.teachers.byte_vocab import ByteVocabulary, byte_level_alphabet, byte_vocabulary, special_token_map
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = Path(os.environ.get("STATELENS_HOME") or Path.home() / ".cache" / "trl_statelens") / "real" / "smollm2-135m"
@@ -304,7 +308,7 @@ def test_distribution_mapping_equals_brute_force_where_exact_and_bounds_it_elsew
         weights = next_probs(context)
         probs = torch.zeros(len(teacher_vocab), dtype=torch.float64)
         probs[list(weights)] = torch.tensor(list(weights.values()), dtype=torch.float64) / DENOMINATOR
-        mapped = map_next_token_distribution(table, probs)
+        mapped, bounds = map_next_token_distribution(table, probs), continuation_mass(table, probs)
         assert mapped.student_probs.sum() + mapped.leftover == 1.0  # exact: dyadic sums
         role_less = next(i for i, roles in teacher_vocab.roles.items() if not roles)
         assert mapped.leftover.item() == probs[role_less].item()
@@ -312,8 +316,8 @@ def test_distribution_mapping_equals_brute_force_where_exact_and_bounds_it_elsew
             if spelled is None:
                 continue
             truth = exact_prefix_probability(spelled, context, teacher_vocab, next_probs)
-            low = Fraction(mapped.prefix_mass[student_id].item())
-            high = low + Fraction(mapped.unresolved_mass[student_id].item())
+            low = Fraction(bounds.prefix_mass[student_id].item())
+            high = low + Fraction(bounds.unresolved_mass[student_id].item())
             assert low <= truth <= high, (spelled, low, truth, high)
             if high == low:
                 exact_claims += 1
@@ -322,7 +326,7 @@ def test_distribution_mapping_equals_brute_force_where_exact_and_bounds_it_elsew
     assert exact_claims > 0.2 * len(student_vocab) and errors > 0  # both cases are exercised
     # every single-byte student token is exact, whatever the teacher
     single_bytes = [i for i, b in enumerate(student_vocab.token_bytes) if b is not None and len(b) == 1]
-    assert (mapped.unresolved_mass[single_bytes] == 0).all()
+    assert (bounds.unresolved_mass[single_bytes] == 0).all()
 
 
 def test_special_token_mass_goes_to_the_counterpart_by_role(whole, split):
@@ -493,3 +497,136 @@ def test_smollm2_student_gemma3_teacher_on_gsm8k(smollm2, gemma3, gsm8k_texts):
     mapped = map_next_token_distribution(table, probs)
     receivers = student_tokenizer.convert_ids_to_tokens(mapped.student_probs.argmax(-1).tolist())
     assert receivers == ["<|im_end|>", "Ġapples", "1"] and (mapped.leftover == 0).all()
+
+
+# ------------------------------------------- (f) the divergence over a carried distribution, and the moved token ends
+
+
+def hand_vocabulary(name: str, *tokens) -> ByteVocabulary:
+    """A vocabulary written by hand: a `bytes` token spells itself; a `str` one is a special token, its roles after
+    `=` (`"<eos>=eos"`; `"<img>="` has none)."""
+    token_bytes, roles, contents = [], {}, {}
+    for token_id, token in enumerate(tokens):
+        if isinstance(token, bytes):
+            token_bytes.append(token)
+            continue
+        content, _, role = token.partition("=")
+        token_bytes.append(None)
+        roles[token_id], contents[token_id] = (role,) if role else (), content
+    return ByteVocabulary(name, tuple(token_bytes), roles, contents, frozenset())
+
+
+def carried_divergence(teacher_vocab, student_vocab, teacher_probs, student_logits, beta):
+    """`mapped_jsd` of the student's logits `(N, V_s)` against the teacher's probabilities `(N, V_t)` carried onto
+    the student's vocabulary, and its gradient in the logits."""
+    logits = torch.as_tensor(student_logits, dtype=torch.float64).requires_grad_(True)
+    carried = map_next_token_distribution(
+        next_token_map(teacher_vocab, student_vocab), torch.as_tensor(teacher_probs, dtype=torch.float64)
+    )
+    loss = mapped_jsd(logits.log_softmax(-1), carried.student_probs, beta)
+    return loss.detach(), torch.autograd.grad(loss.sum(), logits)[0]
+
+
+def test_a_student_writing_its_own_longer_token_is_not_pushed_off_it():
+    """Student {a, b, ab}, teacher {a, b}: the teacher writes "ab" as `a` then `b`, so its mass for the student's `ab`
+    is not in one distribution. A student writing `ab` (its own tokenization) is compared on `a` against `b` only:
+    no gradient moves it off `ab`, and where the teacher is sure of `a` there is nothing to learn."""
+    teacher = hand_vocabulary("teacher", b"a", b"b")
+    student = hand_vocabulary("student", b"a", b"b", b"ab")
+    writes_ab = [[0.0, -2.0, 12.0]]
+    for beta in (0.0, 0.5, 1.0):
+        loss, grad = carried_divergence(teacher, student, [[1.0, 0.0]], writes_ab, beta)
+        assert loss.item() == pytest.approx(0.0, abs=1e-12) and grad.abs().max() < 1e-12
+        loss, grad = carried_divergence(teacher, student, [[0.75, 0.25]], writes_ab, beta)
+        assert loss.item() > 0.01  # the student's a : b is still trained (e^2 : 1 against 3 : 1)
+        assert abs(grad[0, 2].item()) < 1e-12 and grad[0, 0] * grad[0, 1] < 0
+
+
+def test_the_teachers_unreadable_mass_is_renormalised_away_not_paired_with_unrelated_student_mass():
+    """Teacher 0.7 on `a`, 0.3 on a special token the student has no counterpart for: what the student can read of
+    the teacher is `a` alone. A student all on `a`, and one with 0.3 on its own `ab`, both match it."""
+    teacher = hand_vocabulary("teacher", b"a", b"b", "<img>=")
+    student = hand_vocabulary("student", b"a", b"b", b"ab")
+    teacher_probs = [[0.7, 0.0, 0.3]] * 2
+    students = torch.tensor([[1.0, 1e-9, 1e-9], [0.7, 1e-9, 0.3]]).log()
+    for beta in (0.0, 0.5, 1.0):
+        loss, _ = carried_divergence(teacher, student, teacher_probs, students, beta)
+        torch.testing.assert_close(loss, torch.zeros(2, dtype=torch.float64), atol=1e-7, rtol=0)
+
+
+def test_the_divergence_is_not_negative_when_every_student_token_is_reached():
+    """Student {a, <eos>}, teacher `a` 0.35, `<eos>` 0.35, a role-less `<img>` 0.3: both student tokens are reached
+    and 0.3 of the teacher reaches none. Compared over what it can read (0.5 and 0.5), a student at 0.5 and 0.5
+    matches it exactly, and any other is further."""
+    teacher = hand_vocabulary("teacher", b"a", "<eos>=eos", "<img>=")
+    student = hand_vocabulary("student", b"a", "<eos>=eos")
+    teacher_probs = [[0.35, 0.35, 0.3]] * 3
+    students = torch.tensor([[0.5, 0.5], [0.7, 0.3], [0.35, 0.65]]).log()
+    for beta in (0.0, 0.5, 1.0):
+        loss, _ = carried_divergence(teacher, student, teacher_probs, students, beta)
+        assert loss[0].item() == pytest.approx(0.0, abs=1e-12) and (loss[1:] > 1e-3).all()
+
+
+def random_vocabulary(name: str, generator: torch.Generator, specials: list[str]) -> ByteVocabulary:
+    """A few tokens over the alphabet `abc`: every single byte (a byte-level vocabulary spells any text), a random
+    handful of 2- and 3-byte tokens, and `specials`."""
+    longer = [
+        bytes(t) for t in {tuple(torch.randint(97, 100, (n,), generator=generator).tolist()) for n in (2, 2, 3, 3, 3)}
+    ]
+    chosen = [t for t in longer if torch.rand(1, generator=generator).item() < 0.7]
+    return hand_vocabulary(name, b"a", b"b", b"c", *sorted(chosen), *specials)
+
+
+def test_the_carried_divergence_is_never_negative_and_zero_where_the_student_is_the_carried_teacher():
+    """Random small vocabularies and distributions (some teacher tokens at 0, some mass on a special token the student
+    cannot read, a position with nothing readable; every other case a student vocabulary the teacher reaches whole):
+    at every `jsd_beta` the loss is >= 0 with a finite gradient, and 0 for a student that is the carried teacher
+    renormalised over what the student can read."""
+    generator = torch.Generator().manual_seed(0)
+    for case in range(60):
+        teacher = random_vocabulary("teacher", generator, ["<eos>=eos", "<img>="])
+        if case % 2:
+            student = random_vocabulary("student", generator, ["</s>=eos"])
+        else:  # the teacher's text tokens: every student token is reached
+            student = hand_vocabulary("student", *[t for t in teacher.token_bytes if t], "</s>=eos")
+        weights = torch.rand(5, len(teacher), generator=generator, dtype=torch.float64)
+        weights[weights < 0.25] = 0.0
+        weights[0, :-1] = 0.0  # a position where the teacher writes only what the student cannot read
+        weights[1, -1] = 0.0
+        teacher_probs = weights / weights.sum(-1, keepdim=True)
+        carried = map_next_token_distribution(next_token_map(teacher, student), teacher_probs).student_probs
+        readable = carried.sum(-1, keepdim=True)
+        as_teacher = (carried / readable.clamp(min=1e-300)).log()
+        logits = (torch.randn(5, len(student), generator=generator, dtype=torch.float64) * 3).requires_grad_(True)
+        for beta in (0.0, 0.5, 1.0, torch.rand(1, generator=generator).item()):
+            loss = mapped_jsd(logits.log_softmax(-1), carried, beta)
+            assert (loss >= 0).all(), (case, beta, loss)
+            assert loss[0] == 0  # nothing readable: nothing compared
+            (grad,) = torch.autograd.grad(loss.sum(), logits)
+            assert grad.isfinite().all() and (grad[0] == 0).all()
+            matched = mapped_jsd(as_teacher, carried, beta)
+            torch.testing.assert_close(matched, torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_a_moved_end_over_several_teacher_tokens_is_a_lower_bound():
+    """`move_teacher_ends` on the text "abcx": the teacher writes `ab`, `c`, `x`, the student `a`, `bc`, `x` and
+    cannot go on from `bc`. The moved value of `bc` is the teacher's probability of `ab` then any token starting with
+    "c": a lower bound of its probability of "abc", since its `abcd` (at the first decision) spells "abc" too. The
+    next carrier, `x`, gets the rest, and the row's sum is kept."""
+    teacher = hand_vocabulary("teacher", b"a", b"ab", b"abcd", b"c", b"cd", b"x")
+    student = hand_vocabulary("student", b"a", b"bc", b"x")
+    alignment = align_token_ids([0, 1, 2], [1, 3, 5], student, teacher)
+    assert alignment.signal.tolist() == [TeacherSignal.CHUNK_INSIDE, TeacherSignal.CHUNK_END, TeacherSignal.EXACT]
+    # the teacher's distribution at its three decisions (token id -> probability)
+    first, after_ab, after_abc = {1: 0.5, 2: 0.25, 0: 0.25}, {3: 0.5, 4: 0.25, 5: 0.25}, {5: 0.5, 3: 0.5}
+    token_logps = torch.tensor([first[1], after_ab[3], after_abc[5]], dtype=torch.float64).log()
+    starting_with = torch.tensor([first[1] + first[2], after_ab[3] + after_ab[4], after_abc[5]], dtype=torch.float64)
+    values, _ = student_token_teacher_logprobs(alignment, token_logps)
+    moved = move_teacher_ends(
+        alignment, values, [0, 1, 2], torch.tensor([False, True, False]), starting_with.log() - token_logps
+    )
+    through_ab = first[1] * (after_ab[3] + after_ab[4])  # 0.375
+    assert moved[1].item() == pytest.approx(math.log(through_ab))
+    assert math.exp(moved[1].item()) < through_ab + first[2]  # `abcd` spells "abc" too: a lower bound
+    assert moved[2].item() == pytest.approx(math.log(after_ab[3] / (after_ab[3] + after_ab[4]) * after_abc[5]))
+    assert moved.sum().item() == pytest.approx(token_logps.sum().item())

@@ -506,10 +506,10 @@ def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distributi
     """`divergence` from the other lab tokenizer's teacher on a small batch (reference answers, whose numbers the
     student writes digit by digit and the teacher whole): the loss is, computed here by hand, the generalised JSD
     between the student's next-token distribution and the teacher's (a forward over its own tokens of the row) with
-    each teacher token's mass on the longest student token its bytes start with, over the supervised positions where
-    both tokenizations cut; exactly the other supervised positions are left out, the digits inside numbers among
-    them."""
-    from trl_statelens.heads import TAIL_FLOOR, _completion_hidden_states
+    each teacher token's mass on the longest student token its bytes start with, both renormalised over the student
+    tokens that get some, over the supervised positions where both tokenizations cut; exactly the other supervised
+    positions are left out, the digits inside numbers among them."""
+    from trl_statelens.heads import _completion_hidden_states
     from trl_statelens.teachers.base import completion_padded, left_padded
 
     beta = 0.5
@@ -582,18 +582,13 @@ def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distributi
             compared[i, s] = True
             probs = teacher_probs[teacher_starts.index(start)]
             mapped = torch.zeros(student_logps.size(-1))
-            leftover = 0.0
             for token_id, mass in enumerate(probs.tolist()):
-                if receiver[token_id] is None:
-                    leftover += mass
-                else:
+                if receiver[token_id] is not None:
                     mapped[receiver[token_id]] += mass
+            # over the student tokens the teacher reaches: the student conditioned on them, the teacher renormalised
             p = student_logps[i, s].exp()
             reached = mapped > 0
-            p_cat = torch.cat([p[reached], p[~reached].sum()[None]])
-            q_cat = torch.cat([mapped[reached], torch.tensor([max(leftover, TAIL_FLOOR)])])
-            if reached.all():
-                p_cat, q_cat = p_cat[:-1], q_cat[:-1]
+            p_cat, q_cat = p[reached] / p[reached].sum(), mapped[reached] / mapped.sum()
             m = (1 - beta) * p_cat + beta * q_cat
             total += beta * (q_cat * (q_cat / m).log()).sum() + (1 - beta) * (p_cat * (p_cat / m).log()).sum()
     assert skipped_digits > 0 and compared.sum() < loss_mask.sum()

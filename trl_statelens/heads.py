@@ -310,32 +310,32 @@ def topk_tail_jsd(
     return _generalised_jsd(log_s, log_t, keep, beta)
 
 
-def mapped_jsd(
-    student_log_probs: torch.Tensor, teacher_probs: torch.Tensor, leftover: torch.Tensor, beta: float
-) -> torch.Tensor:
+def mapped_jsd(student_log_probs: torch.Tensor, teacher_probs: torch.Tensor, beta: float) -> torch.Tensor:
     """Per position `(N,)`, the generalised JSD with `beta` (as [`topk_tail_jsd`]'s) between the student's full
-    log-probs `(N, V)` and a teacher distribution carried onto the student's vocabulary: `teacher_probs` `(N, V_s)`,
-    `V_s <= V`, and `leftover` `(N,)`, as `alignment.MappedDistribution`'s `student_probs` and `leftover`.
+    log-probs `(N, V)` and a teacher distribution carried onto the student's vocabulary, `teacher_probs` `(N, V_s)`,
+    `V_s <= V` (`alignment.MappedDistribution.student_probs`: each teacher token's mass on the student token that
+    spells its bytes, or the longest one they start with).
 
-    The teacher's masses are compared as they are, not renormalised. The categories are the student tokens the
-    teacher's mass reaches and, where some get none (a student token no teacher token maps to, the output layer's
-    padding rows), one rest bucket: the student's mass on those against the teacher's `leftover`, floored at
-    `TAIL_FLOOR` as a served teacher's tail is (no student token is left with mass the teacher gives none: the reverse
-    KL stays finite). So the leftover is compared as one category, never spread over the student's tokens; where every
-    student token is reached it is left out. With one tokenizer on both sides every token is reached and nothing is
-    left over: the exact divergence over the vocabulary."""
+    The categories are the student tokens the carried distribution gives mass (the reached ones); both sides are
+    renormalised over them: the teacher over its mass the student can read (what reached no student token, a
+    special token without a counterpart or a padding row, is left out, as generation leaves it out), the student
+    conditioned on writing one of them. A student token no teacher token reaches (one the teacher only writes as
+    several tokens, as a student's `ab` against a teacher's `a`, `b`; an output layer's padding rows) has no teacher
+    mass in one distribution: it is left out on both sides, so the loss neither pushes the student off it nor toward
+    it. So the loss is a divergence between two distributions over the same categories: never negative, 0 where the
+    student's conditional equals the carried teacher's. A position where no teacher mass reaches the student adds 0.
+    With one tokenizer on both sides every token is reached and nothing is left out: the exact divergence over the
+    vocabulary."""
     vocab = student_log_probs.size(-1)
     teacher = F.pad(teacher_probs.to(student_log_probs.dtype), (0, vocab - teacher_probs.size(-1)))
     reached = teacher > 0
-    has_rest = ~reached.all(-1)
-    # (a row with nothing outside gets a finite stand-in, masked below: a log-sum-exp over nothing has a NaN gradient)
-    outside = torch.where(has_rest[:, None], student_log_probs.masked_fill(reached, -math.inf), 0.0)
-    student_rest = torch.logsumexp(outside, dim=-1)
-    teacher_rest = leftover.to(student_log_probs.dtype).clamp(min=TAIL_FLOOR).log()
-    log_s = torch.cat([student_log_probs, student_rest[:, None]], dim=1)
-    log_t = torch.cat([teacher.log(), teacher_rest[:, None]], dim=1)
-    keep = torch.cat([reached, has_rest[:, None]], dim=1)
-    return _generalised_jsd(log_s, log_t, keep, beta)
+    # (a row with nothing reached conditions on the whole vocabulary instead, a finite stand-in masked below: the
+    # gradient of a log-sum-exp over nothing is NaN)
+    conditioned_on = reached | ~reached.any(-1, keepdim=True)
+    student_reached = torch.logsumexp(student_log_probs.masked_fill(~conditioned_on, -math.inf), -1, keepdim=True)
+    readable = teacher.sum(-1, keepdim=True)
+    log_t = teacher.log() - torch.where(readable > 0, readable, 1.0).log()
+    return _generalised_jsd(student_log_probs - student_reached, log_t, reached, beta)
 
 
 def _generalised_jsd(log_s: torch.Tensor, log_t: torch.Tensor, keep: torch.Tensor, beta: float) -> torch.Tensor:

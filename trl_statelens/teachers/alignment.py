@@ -11,8 +11,10 @@ special token (which spells none) as one unit; a place where both cut is a share
   (the sum over its teacher tokens) goes to the run's last token (`CHUNK_END`), and the others get 0
   (`CHUNK_INSIDE`), so that a loss summing the student's log-probs over a chunk compares like with like.
 - The teacher's next-token distribution at a synchronised position (both tokenizations cut there) over the student's
-  vocabulary ([`next_token_map`], [`map_next_token_distribution`]): each teacher token's mass goes to the longest
-  student token its bytes start with, and mass that reaches no student token is reported as `leftover`.
+  vocabulary ([`next_token_map`], [`map_next_token_distribution`]): each teacher token's mass goes to the student
+  token that spells its bytes, or the longest one they start with, and mass that reaches no student token is reported
+  as `leftover`. [`continuation_mass`] bounds the teacher's probability of each student token's bytes (for analysis:
+  the loss does not need it).
 """
 
 from __future__ import annotations
@@ -186,13 +188,20 @@ def move_teacher_ends(
     end_logmass: torch.Tensor,
 ) -> torch.Tensor:
     """`values` from [`student_token_teacher_logprobs`] with the teacher's "its token ends here" moved to where the
-    student says it (docs/cross-tokenizer.md, "A defect found, and fixed"). `end_logmass` `(n_teacher,)`: per teacher token, the
-    log-prob of the teacher writing any token whose bytes start with its bytes less the log-prob of that token (0
-    where no longer token does). For each student token that carries a value and ends where a teacher token ends,
-    if the student's vocabulary cannot go on from that token (`movable[id]`, e.g. a single digit), that teacher
-    token's term is added to it (its value becomes the teacher's probability of those bytes, whatever follows) and
-    taken from the next carrying token (which then gets the teacher's probability of how the text goes on). With one
-    tokenizer on both sides no movable token has a longer teacher token, so nothing moves."""
+    student says it (docs/cross-tokenizer.md, "A defect found, and fixed"). `end_logmass` `(n_teacher,)`: per
+    teacher token, the log-prob of the teacher writing, at that decision, any token whose bytes start with its bytes,
+    less the log-prob of that token (0 where no longer token does). For each student token that carries a value and
+    ends where a teacher token `u` ends, if the student's vocabulary cannot go on from that token (`movable[id]`,
+    e.g. a single digit), `u`'s term is added to it and taken from the next carrying token: the row's sum is kept.
+
+    The moved value, where the carrier's bytes (its chunk's, for a `CHUNK_END`) are the one teacher token `u`: the
+    teacher's probability that its next token starts with them, whatever follows; exact (spellings that split them
+    over several teacher tokens, which its tokenizer does not write, aside). Where they are several teacher tokens
+    `u_1 .. u_m`: the teacher's probability of `u_1 .. u_{m-1}`, then of any token starting with `u_m`'s bytes, a
+    lower bound of its probability of those bytes: a teacher token that starts at an earlier decision and runs past
+    the carrier's end is left out (the chunk `ab`, `c` against a teacher `abcd`). The next carrier gets the rest of
+    the row's log-prob. With one tokenizer on both sides no movable token has a longer teacher token, so nothing
+    moves."""
     values = values.clone()
     carriers = (alignment.signal != TeacherSignal.CHUNK_INSIDE).nonzero()[:, 0].tolist()
     ends = alignment.student_boundaries[1:]
@@ -225,20 +234,29 @@ class NextTokenMap:
 class MappedDistribution(NamedTuple):
     """A teacher next-token distribution over the student's vocabulary, at a synchronised position.
 
-    - `student_probs` `(..., V_student)`: the teacher mass whose first student token is v (each teacher token's mass
-      on the longest student token its bytes start with); it sums with `leftover` to the teacher's total, and is the
-      teacher distribution itself when both tokenizers are one.
+    - `student_probs` `(..., V_student)`: the teacher's next token as the student's first token of it: each teacher
+      token's mass on the student token that spells its bytes, or the longest one they start with (a special token's
+      on its counterpart by role). It sums with `leftover` to the teacher's total, and is the teacher distribution
+      itself when both tokenizers are one. A student token the teacher only writes as several tokens gets none.
     - `leftover` `(...)`: the mass that reaches no student token (a teacher special token without a counterpart, a
       teacher token starting with a byte the student cannot spell, rows past the teacher's tokenizer).
-    - `prefix_mass` `(..., V_student)`: the mass of teacher tokens whose bytes start with v's. The teacher's
-      probability that the text goes on with v's bytes is at least this and at most `prefix_mass + unresolved_mass`,
-      so it is exact where `unresolved_mass` is 0 (always, for a one-byte or special v).
-    - `unresolved_mass` `(..., V_student)`: the mass of teacher tokens whose bytes are a proper prefix of v's: whether
-      the text goes on to spell v depends on the teacher's next distributions, which this position does not give.
     """
 
     student_probs: torch.Tensor
     leftover: torch.Tensor
+
+
+class ContinuationMass(NamedTuple):
+    """Bounds, at a synchronised position, on the teacher's probability that the text goes on with each student
+    token v's bytes ([`continuation_mass`]).
+
+    - `prefix_mass` `(..., V_student)`: the mass of teacher tokens whose bytes start with v's. The probability is at
+      least this and at most `prefix_mass + unresolved_mass`, so it is exact where `unresolved_mass` is 0 (always,
+      for a one-byte or special v).
+    - `unresolved_mass` `(..., V_student)`: the mass of teacher tokens whose bytes are a proper prefix of v's: whether
+      the text goes on to spell v depends on the teacher's next distributions, which this position does not give.
+    """
+
     prefix_mass: torch.Tensor
     unresolved_mass: torch.Tensor
 
@@ -320,7 +338,7 @@ def pair_matrix_product(pairs: torch.Tensor, shape: tuple[int, int], dense: torc
 def map_next_token_distribution(table: NextTokenMap, teacher_probs: torch.Tensor) -> MappedDistribution:
     """The teacher's next-token probabilities `(..., V)` at synchronised positions (`V` at least its tokenizer's
     size: an output layer's padding rows count as leftover) as a [`MappedDistribution`] over the student's
-    vocabulary. Vectorised over positions: one scatter and two sparse products."""
+    vocabulary. Vectorised over positions: one scatter."""
     width = teacher_probs.shape[-1]
     if width < table.teacher_size:
         raise ValueError(
@@ -335,16 +353,21 @@ def map_next_token_distribution(table: NextTokenMap, teacher_probs: torch.Tensor
     kept = receivers >= 0
     student_probs = flat.new_zeros(len(flat), table.student_size).index_add_(1, receivers[kept], known[:, kept])
     leftover = known[:, ~kept].sum(-1) + flat[:, table.teacher_size :].sum(-1)
+    return MappedDistribution(student_probs.reshape(*batch_shape, -1), leftover.reshape(batch_shape))
+
+
+def continuation_mass(table: NextTokenMap, teacher_probs: torch.Tensor) -> ContinuationMass:
+    """The [`ContinuationMass`] of the teacher's next-token probabilities `(..., V)`, as for
+    [`map_next_token_distribution`]: two sparse products over the student's vocabulary."""
+    student_probs = map_next_token_distribution(table, teacher_probs).student_probs
+    batch_shape = student_probs.shape[:-1]
+    student_probs = student_probs.reshape(-1, table.student_size)
+    known = teacher_probs.reshape(-1, teacher_probs.shape[-1])[:, : table.teacher_size]
     prefix_mass = pair_matrix_product(table.prefix_pairs, (table.student_size,) * 2, student_probs)
     unresolved_mass = pair_matrix_product(
         table.proper_prefix_pairs, (table.student_size, table.teacher_size), known.contiguous()
     )
-    return MappedDistribution(
-        student_probs.reshape(*batch_shape, -1),
-        leftover.reshape(batch_shape),
-        prefix_mass.reshape(*batch_shape, -1),
-        unresolved_mass.reshape(*batch_shape, -1),
-    )
+    return ContinuationMass(prefix_mass.reshape(*batch_shape, -1), unresolved_mass.reshape(*batch_shape, -1))
 
 
 def chunk_index(signal: torch.Tensor) -> torch.Tensor:

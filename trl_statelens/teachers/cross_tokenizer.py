@@ -270,7 +270,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         (`TokenAlignment.synchronised`). There the teacher's next-token distribution, from one forward over its own
         tokens of the row ([`TextReading`], made by `score`), is carried onto the student's vocabulary
         ([`map_next_token_distribution`]) and compared with the student's at the run's temperature
-        ([`heads.mapped_jsd`]: the teacher's masses as they are, its leftover as one category). Any other supervised
+        ([`heads.mapped_jsd`]: over the student tokens it reaches, both renormalised there). Any other supervised
         position is left out of the loss (`leftover` NaN there). Summed and divided by `normalizer`, as the
         same-tokenizer loss.
 
@@ -303,13 +303,11 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         rows, at = torch.tensor(positions, dtype=torch.long, device=device).reshape(-1, 2).T
         hidden = student_hidden[rows, at]
         teacher_probs = torch.cat(mapped).to(device) if mapped else hidden.new_zeros(0, len(self.student_vocab))
-        left = leftover[rows, at]
         # The student's output layer once per chunk of positions, as many on every rank and at least one, so that it
         # is used everywhere (as DDP requires of an untied head) even where this rank maps nothing
         chunks = collective.agreed_chunks(self.trainer.accelerator, len(rows), heads.POSITION_CHUNK) or [slice(0, 0)]
         losses = [
-            mapped_jsd(_student_log_probs(student, hidden[c], temperature), teacher_probs[c], left[c], beta)
-            for c in chunks
+            mapped_jsd(_student_log_probs(student, hidden[c], temperature), teacher_probs[c], beta) for c in chunks
         ]
         loss = torch.cat(losses).sum()
         if isinstance(normalizer, torch.Tensor):
