@@ -224,6 +224,8 @@ class RunGuards(ExportableState, TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.record = Path(args.output_dir) / "statelens" / GUARDS_FILE
+        if getattr(args, "num_generations", None) == 1:  # groups of one rollout have no spread by construction
+            self.guards.min_reward_spread = None
         saved = state.stateful_callbacks.get(type(self).__name__) if state.global_step > 0 else None
         if saved and saved.get("attributes", {}).get("windows"):
             self.guards.load_windows(saved["attributes"]["windows"])
