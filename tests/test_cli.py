@@ -48,7 +48,7 @@ def run_cli(argv, env_home):
 @pytest.mark.parametrize(
     "argv, expect",
     [
-        (["--help"], "{lab,eval,report}"),
+        (["--help"], "{lab,eval,report,guards}"),
         (["report", "--help"], "--base RUN_DIR"),
         (["lab", "info"], "math 0.200  kb (MMLU analog) 1.000"),
         (["lab", "info", "--json"], '"pretrain_steps": 20'),

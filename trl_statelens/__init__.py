@@ -19,6 +19,8 @@ _EXPORTS = {
     "MMLUTask": "evaluation",
     "RetentionEvalCallback": "evaluation",
     "ForgettingForecast": "lens.forecast",
+    "RunGuards": "guards",
+    "replay_guards": "guards_replay",
     "TruthfulQATask": "evaluation",
     "evaluate_model": "evaluation",
     "retention_summary": "evaluation",

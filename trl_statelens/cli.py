@@ -1,4 +1,5 @@
-"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``, ``statelens report``.
+"""The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``, ``statelens report``,
+``statelens guards replay``.
 
 Each command imports what it needs when it runs: ``statelens --help``, ``statelens lab info`` and ``statelens report
 --help`` never import torch, transformers or pandas (``tests/test_cli.py`` checks).
@@ -53,6 +54,12 @@ def _report(args: argparse.Namespace) -> int:
     from .reports.pages import run_report_cli
 
     return run_report_cli(args)
+
+
+def _guards_replay(args: argparse.Namespace) -> int:
+    from .guards_replay import run_replay_cli
+
+    return run_replay_cli(args)
 
 
 def _print_info(info: dict) -> None:
@@ -147,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_report_arguments(report)
     report.set_defaults(func=_report)
+
+    guards = commands.add_parser("guards", help="the run guards (docs/guards.md)")
+    replay = guards.add_subparsers(dest="guards_command", required=True).add_parser(
+        "replay", help="run the guards over recorded runs' ledgers: the step at which each would fire"
+    )
+    replay.add_argument("run_folders", nargs="+", metavar="RUN_FOLDER", help="a run's output_dir or ledger folder")
+    replay.add_argument("--max_base_kl", type=float, default=None, help="forgetting budget on probe base_kl")
+    replay.add_argument("--min_retention", type=float, default=None, help="forgetting budget on forecast Retention")
+    replay.add_argument("--json", action="store_true", help="print the alarms as JSON")
+    replay.set_defaults(func=_guards_replay)
     return parser
 
 

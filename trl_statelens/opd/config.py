@@ -290,6 +290,10 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             rewards and bookkeeping and that forward. The request, hence every log-prob and the loss, is the same
             either way; a failed request raises its `TeacherServerError` in the training loop all the same. `False`
             waits for the answer before the batch is returned.
+        guards (`str`, *optional*, defaults to `"warn"`):
+            The run guards' mode ([`~trl_statelens.guards.RunGuards`], docs/guards.md): `"warn"` logs and records
+            each guard that fires (a loop, the end token's share collapsing, the teacher KL stalling or rising,
+            non-finite losses...), `"stop"` also stops training with a checkpoint saved, `"off"` attaches none.
     """
 
     # ----- the signal and whose states it supervises -----------------------------------------------------------------
@@ -381,6 +385,7 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
         default=True,
         metadata={"help": "Score each batch on the teacher server in the background, overlapping the student's work."},
     )
+    guards: str = field(default="warn", metadata={"help": "Run guards: 'warn', 'stop' or 'off'."})
 
     # JSON strings from the command line become dicts in `TrainingArguments.__post_init__`, as TRL's dict fields do
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["state_source_mix", "teacher_model_init_kwargs"]

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from trl.models.utils import _ForwardRedirection
 
 from .. import collective
+from ..guards import check_mode
 from ..lens.step_counts import StepCounts
 from ..teachers import (
     SelfTeacher,
@@ -123,6 +124,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             args = OnPolicyDistillConfig(f"{name.split('/')[-1]}-OPD")
         if not isinstance(args, OnPolicyDistillConfig):
             raise TypeError(f"args must be an OnPolicyDistillConfig, got {type(args).__name__}")
+        check_mode(args.guards)
         check_datasets(train_dataset, eval_dataset, teacher_model, args)
         check_teacher_settings_are_read(teacher_model, args)
         if args.skip_correct_rollouts and not reward_funcs:
@@ -208,6 +210,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
             state_logging=state_logging,
+            guards=args.guards,
         )
         self._has_rewards = reward_funcs is not None
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG (so are

@@ -23,6 +23,7 @@ from ..checks import (
     load_safetensors_only,
     tokenizer_of,
 )
+from ..guards import attach_guards, check_mode
 from ..lens.callback import attach_state_logging
 from ..lens.endings import END_KINDS, end_kinds, end_token_ids
 from ..lens.recorder import StateRecorderMixin
@@ -50,11 +51,16 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         state_logging (`bool`, *optional*, defaults to `True`):
             Attach a default [`StateLoggingCallback`] (records and ledger, no probe drift) unless `callbacks` already
             holds one. With `False` and no such callback, nothing is recorded.
+        guards (`str`, *optional*, defaults to `"warn"`):
+            Attach a [`~trl_statelens.guards.RunGuards`] in this mode unless `callbacks` already holds one: `"warn"`
+            (log and record each guard that fires), `"stop"` (also stop training with a checkpoint saved) or `"off"`
+            (docs/guards.md).
     """
 
     _has_rewards = True  # a subclass may train without reward functions (OnPolicyDistillTrainer): no reward groups
 
-    def __init__(self, *args, state_logging: bool = True, **kwargs):
+    def __init__(self, *args, state_logging: bool = True, guards: str = "warn", **kwargs):
+        check_mode(guards)
         given = bound_arguments(GRPOTrainer, args, kwargs)
         what = type(self).__name__
         check_train_dataset(given.get("train_dataset"), ("prompt",), what)
@@ -73,6 +79,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         self._advantages_after_answer: list[tuple[bool, float]] = []  # (ended there, teacher - student log-prob)
         self._end_ids = end_token_ids(self._tokenizer, self.model)
         attach_state_logging(self, state_logging)
+        attach_guards(self, guards)
 
     def _tokens_after_prompt(self) -> int:
         """The most tokens a training sequence holds after its prompt: the completion."""

@@ -19,6 +19,7 @@ from ..checks import (
     load_safetensors_only,
     tokenizer_of,
 )
+from ..guards import attach_guards, check_mode
 from ..lens.callback import attach_state_logging
 from ..lens.recorder import StateRecorderMixin
 
@@ -42,9 +43,14 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         state_logging (`bool`, *optional*, defaults to `True`):
             Attach a default [`StateLoggingCallback`] (records and ledger, no probe drift) unless `callbacks` already
             holds one. With `False` and no such callback, nothing is recorded.
+        guards (`str`, *optional*, defaults to `"warn"`):
+            Attach a [`~trl_statelens.guards.RunGuards`] in this mode unless `callbacks` already holds one: `"warn"`
+            (log and record each guard that fires), `"stop"` (also stop training with a checkpoint saved) or `"off"`
+            (docs/guards.md).
     """
 
-    def __init__(self, *args, state_logging: bool = True, **kwargs):
+    def __init__(self, *args, state_logging: bool = True, guards: str = "warn", **kwargs):
+        check_mode(guards)
         given = bound_arguments(SFTTrainer, args, kwargs)
         text_field = getattr(given.get("args"), "dataset_text_field", "text")
         check_train_dataset(given.get("train_dataset"), (text_field, *SFT_COLUMNS), "StateLensSFTTrainer")
@@ -56,6 +62,7 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         # The hook sees the loss's forward through any wrapper (DDP, DeepSpeed, PEFT): they all call this module
         self.model.register_forward_hook(self._record_fused_outputs, with_kwargs=True)
         attach_state_logging(self, state_logging)
+        attach_guards(self, guards)
 
     # SFTTrainer counts the tokens trained on (`num_tokens`, and the run's FLOPs from it) in memory only: a resumed run
     # would count from 0 again. The count travels with each checkpoint's RNG state, one file per process.
