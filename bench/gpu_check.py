@@ -19,7 +19,7 @@ each skipped (and said so in the tables) once the time budget is spent:
   counted in them): the top ops by self CUDA time (self CPU time on a CPU), each against stock's, and the trainers'
   regions (`_generate`, `_generate_and_score_completions`, `compute_loss`) by total time.
 
-    python bench/gpu_check.py [OUT_DIR] [--steps 5] [--warmup 2] [--budget 480]    # one CUDA GPU
+    python bench/gpu_check.py [OUT_DIR] [--steps 4] [--warmup 1] [--budget 420]    # one CUDA GPU
     python bench/gpu_check.py OUT_DIR --quick       # CPU, tiny float32 models, 1 step each, no launches (seconds)
 
 OUT_DIR defaults to $OUT when set, else bench/results/gpu_check/. It writes `gpu_check.md` (the tables) and
@@ -274,15 +274,15 @@ def main(argv=None) -> dict:
     default_out = os.environ.get("OUT") or str(Path(__file__).parent / "results" / "gpu_check")
     parser.add_argument("out", nargs="?", type=Path, default=Path(default_out), help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny float32 models on the CPU, 1 step each")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (5; 1 quick)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (2; 1 quick)")
-    parser.add_argument("--budget", type=float, default=480, help="seconds; later sections are skipped past it")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (4; 1 quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (1)")
+    parser.add_argument("--budget", type=float, default=420, help="seconds; later sections are skipped past it")
     options = parser.parse_args(argv)
     mode = "tiny" if options.quick else "gpu"
     if mode == "gpu" and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible: this check needs one (or pass --quick for the CPU version)")
-    steps = options.steps or (1 if options.quick else 5)
-    warmup = options.warmup if options.warmup is not None else (1 if options.quick else 2)
+    steps = options.steps or (1 if options.quick else 4)
+    warmup = options.warmup if options.warmup is not None else 1
     started = time.perf_counter()
     if mode == "gpu":
         torch.set_num_threads(os.cpu_count())  # bench/common.py pins one thread for its CPU benchmarks
