@@ -16,8 +16,8 @@ each skipped (and said so in the tables) once the time budget is spent:
   step): median step time over `--steps` steps after `--warmup` warm-up steps, its ratio to stock's, and peak memory
   (`torch.cuda.max_memory_allocated`; peak RSS on a CPU);
 - profile: one more step of `reverse_kl`, `continuation` and stock under `torch.profiler`, after the timed ones (not
-  counted in them): the top ops by self CUDA time (self CPU time on a CPU), each against stock's, and the trainers'
-  regions (`_generate`, `_generate_and_score_completions`, `compute_loss`) by total time.
+  counted in them): the ops with the most extra self time against stock's, by CPU and (on a GPU) by CUDA time, and
+  the trainers' regions (`_generate`, `_generate_and_score_completions`, `compute_loss`) by total time.
 
     python bench/gpu_check.py [OUT_DIR] [--steps 4] [--warmup 1] [--budget 420]    # one CUDA GPU
     python bench/gpu_check.py OUT_DIR --quick       # CPU, tiny float32 models, 1 step each, no launches (seconds)
@@ -109,20 +109,20 @@ def in_region(name, method):
 
 
 def profile_summary(profiler) -> dict:
-    """Ops by self time and the marked regions by total time, in milliseconds (CUDA time on a GPU, else CPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    """Per clock (CPU, and CUDA on a GPU), in milliseconds: each op's self time and each marked region's total time."""
     events = profiler.key_averages()
-
-    def self_ms(event):
-        return (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e3
-
-    def total_ms(event):
-        return (event.device_time_total if device == "cuda" else event.cpu_time_total) / 1e3
-
-    ops = {e.key: self_ms(e) for e in events if not e.key.startswith("region:") and self_ms(e) > 0}
-    regions = {e.key.removeprefix("region:"): total_ms(e) for e in events if e.key.startswith("region:")}
-    return {"time": f"self {device.upper()}", "ops_ms": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:40]),
-            "regions_ms": regions}  # fmt: skip
+    clocks = {"CPU": ("self_cpu_time_total", "cpu_time_total")}
+    if torch.cuda.is_available():
+        clocks["CUDA"] = ("self_device_time_total", "device_time_total")
+    summary = {}
+    for clock, (self_time, total_time) in clocks.items():
+        ops = {e.key: getattr(e, self_time) / 1e3 for e in events if not e.key.startswith("region:")}
+        summary[clock] = {
+            "ops_ms": dict(sorted(((k, v) for k, v in ops.items() if v > 0), key=lambda kv: -kv[1])[:40]),
+            "regions_ms": {e.key.removeprefix("region:"): getattr(e, total_time) / 1e3 for e in events
+                           if e.key.startswith("region:")},
+        }  # fmt: skip
+    return summary
 
 
 def make_trainer(trainer_name, arm, paths, tokenizer, data, common, size, max_steps):
@@ -256,16 +256,20 @@ def markdown(results: dict) -> str:
         ours, stock = results["profiles"].get(arm), results["profiles"].get("stock")
         if ours is None or stock is None:
             continue
-        lines += ["", f"Profile, one step: {arm} against stock (ms, {ours['time']} time)", ""]
-        lines += ["| region or op | ours | stock | ours - stock |", "|---|---:|---:|---:|"]
-        for name in REGIONS:
-            a, b = ours["regions_ms"].get(name), stock["regions_ms"].get(name)
-            if a is not None or b is not None:
-                lines.append(f"| region {name} | {fmt(a, 1)} | {fmt(b, 1)} | {fmt((a or 0) - (b or 0), 1)} |")
-        extra = sorted(ours["ops_ms"], key=lambda op: -(ours["ops_ms"][op] - stock["ops_ms"].get(op, 0.0)))
-        for op in extra[:TOP_OPS]:
-            a, b = ours["ops_ms"][op], stock["ops_ms"].get(op, 0.0)
-            lines.append(f"| `{op}` | {a:,.1f} | {b:,.1f} | {a - b:,.1f} |")
+        lines += ["", f"Profile, one step: {arm} against stock (ms; ops by self time, regions by total time)", ""]
+        lines += ["| clock | region or op | ours | stock | ours - stock |", "|---|---|---:|---:|---:|"]
+        for clock in ours:
+            mine, theirs = ours[clock], stock[clock]
+            for name in REGIONS:
+                a, b = mine["regions_ms"].get(name), theirs["regions_ms"].get(name)
+                if a is not None or b is not None:
+                    lines.append(
+                        f"| {clock} | region {name} | {fmt(a, 1)} | {fmt(b, 1)} | {fmt((a or 0) - (b or 0), 1)} |"
+                    )
+            extra = sorted(mine["ops_ms"], key=lambda op: theirs["ops_ms"].get(op, 0.0) - mine["ops_ms"][op])
+            for op in extra[:TOP_OPS]:
+                a, b = mine["ops_ms"][op], theirs["ops_ms"].get(op, 0.0)
+                lines.append(f"| {clock} | `{op}` | {a:,.1f} | {b:,.1f} | {a - b:,.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -294,10 +298,8 @@ def main(argv=None) -> dict:
     paths["other_teacher"] = build_other_teacher(mode, world, model_dir)
     size, common = SIZES[mode], common_args(mode)
     rows = world.math("train", n=8 * size["rollouts"], seed=5)
-    data = {
-        "sft": Dataset.from_list([{"prompt": format_plain(r["question"]), "completion": " " + r["answer"]} for r in rows]),
-        "prompts": fixed_length_prompt_dataset(tokenizer, world, size),
-    }  # fmt: skip
+    sft_rows = [{"prompt": format_plain(r["question"]), "completion": " " + r["answer"]} for r in rows]
+    data = {"sft": Dataset.from_list(sft_rows), "prompts": fixed_length_prompt_dataset(tokenizer, world, size)}
     say(f"models built: {setup}")
 
     launched = {}

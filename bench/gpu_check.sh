@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/gpu_check.py on a GPU machine that has python3 with torch (CUDA), accelerate and peft but no network, from
-# wheels carried in the repository's .whl/ folder (git-ignored; about 27 MB).
+# wheels carried in the repository's .whl/ folder (git-ignored; about 25 MB).
 #
 #   bench/gpu_check.sh fetch            # here, with a package registry: fill .whl/ (builds deepspeed's wheel, ~1 min,
 #                                       # with $PYTHON, default .venv/bin/python: it needs torch)

@@ -47,7 +47,9 @@ tree (`PYTHONPATH=$PWD`). Then one `run` call with `carry=[".whl"]` and `timeout
         python3 bench/gpu_smoke.py $OUT/gpu_smoke.json
 
 First run on an H200 on 2026-12-04 (BENCHMARKS.md, section 7): with transformers 5.24.0 (5.25.0 asks that machine for
-the `kernels` package); the FSDP2 case failed there (a model left on the CPU), open.
+the `kernels` package); the FSDP2 case failed there: the OPD teacher was left on the CPU (fixed since in
+`prepare_teacher_model`; not yet rerun). `bench/gpu_check.py` (`bench/gpu_check.sh`) runs this check's launched
+case beside timings and profiles.
 """
 
 import argparse
