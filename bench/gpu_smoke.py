@@ -47,7 +47,9 @@ tree (`PYTHONPATH=$PWD`). Then one `run` call with `carry=[".whl"]` and `timeout
         python3 bench/gpu_smoke.py $OUT/gpu_smoke.json
 
 First run on an H200 on 2026-12-04 (BENCHMARKS.md, section 7): with transformers 5.24.0 (5.25.0 asks that machine for
-the `kernels` package); the FSDP2 case failed there (a model left on the CPU), open.
+the `kernels` package); the FSDP2 case failed there: the OPD teacher was left on the CPU (fixed since in
+`prepare_teacher_model`; not yet rerun). `bench/gpu_check.py` (`bench/gpu_check.sh`) runs this check's launched
+case beside timings and profiles.
 """
 
 import argparse
@@ -301,25 +303,21 @@ def run_opd(mode, paths, tokenizer, world, common, steps: int) -> dict:
     return arms
 
 
-def run_fsdp2(mode, model_dir: str) -> dict:
-    """The FSDP2 case: launch `fsdp2_worker` on one process per GPU (2 on CPU) and check what each rank wrote."""
-    processes = torch.cuda.device_count() if mode == "gpu" else 2
-    ranks_dir = Path(tempfile.mkdtemp(prefix="gpu-smoke-fsdp2-"))
+def launch_workers(mode, model_dir: str, config: Path, processes: int) -> dict:
+    """`fsdp2_worker` launched with accelerate's `config` on `processes` processes: each rank's record, the exit
+    status and, on a failure, the end of stderr and the frames of the project's code and TRL's in it."""
+    ranks_dir = Path(tempfile.mkdtemp(prefix=f"gpu-smoke-{config.stem}-"))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
         "--num_processes", str(processes), "--main_process_port", str(port),
         __file__, str(ranks_dir), "--fsdp2-worker", model_dir, *(["--tiny"] if mode == "tiny" else []),
     ]  # fmt: skip
     root = str(Path(__file__).resolve().parents[1])  # this checkout's trl_statelens, not an installed copy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
-    ranks = [json.loads(path.read_text()) for path in sorted(ranks_dir.glob("rank*.json"))]
-    checks = {"fsdp2_exit_ok": done.returncode == 0, **fsdp2_checks(ranks, processes)}
-    say(f"fsdp2: {checks} ({time.perf_counter() - start:.0f}s)")
     return {
         "processes": processes,
         "returncode": done.returncode,
@@ -328,9 +326,18 @@ def run_fsdp2(mode, model_dir: str) -> dict:
         "stderr_frames": [line for line in done.stderr.splitlines() if "trl_statelens" in line or "/trl/" in line]
         if done.returncode
         else [],
-        "ranks": ranks,
-        "checks": checks,
+        "ranks": [json.loads(path.read_text()) for path in sorted(ranks_dir.glob("rank*.json"))],
     }
+
+
+def run_fsdp2(mode, model_dir: str) -> dict:
+    """The FSDP2 case: launch `fsdp2_worker` on one process per GPU (2 on CPU) and check what each rank wrote."""
+    processes = torch.cuda.device_count() if mode == "gpu" else 2
+    start = time.perf_counter()
+    launched = launch_workers(mode, model_dir, FSDP2_CONFIG, processes)
+    checks = {"fsdp2_exit_ok": launched["returncode"] == 0, **fsdp2_checks(launched["ranks"], processes)}
+    say(f"fsdp2: {checks} ({time.perf_counter() - start:.0f}s)")
+    return {**launched, "checks": checks}
 
 
 def fsdp2_checks(ranks: list[dict], processes: int) -> dict:

@@ -17,13 +17,24 @@ metrics, the state records and the probe's drift of every logged step equal to D
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from cpu_settings import CPU
 from launching import free_port, launch
+
+from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp2_two_ranks.py"
 FSDP2_CONFIG = Path(__file__).parents[1] / "recipes" / "accelerate" / "fsdp2.yaml"
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+def launched(test):
+    """A test that launches 2 processes (tens of seconds)."""
+    return pytest.mark.multiproc(pytest.mark.slow(test))
 
 
 def two_ranks(launcher: list[str], *args, timeout: int) -> list[dict]:
@@ -69,6 +80,7 @@ def assert_ddp(ranks, case):
     assert (run["distributed_type"], run["model_class"]) == ("MULTI_CPU", "DistributedDataParallel")
 
 
+@launched
 def test_accelerate_fsdp2_trains_sft_and_opd_as_ddp(tmp_path, student_path, teacher_path):
     """The GPU recipe's FSDP2 on CPU: SFT, and OPD with a separate teacher (each signal, teacher states in the mix),
     shard the student and log DDP's numbers; the in-process teacher is prepared whole on each process,
@@ -96,6 +108,7 @@ def self_teacher_runs(tmp_path_factory, student_path, teacher_path):
     return accelerate_fsdp2(tmp_path_factory.mktemp("fsdp2"), student_path, teacher_path, cases)
 
 
+@launched
 def test_accelerate_fsdp2_self_teacher_live_and_base(self_teacher_runs):
     """Under accelerate's FSDP2 the live teacher is the sharded student itself; a full-weight student's base teacher is
     a whole copy made before accelerate shards the student; a LoRA student's is its adapter disabled. Each logs
@@ -112,6 +125,7 @@ def test_accelerate_fsdp2_self_teacher_live_and_base(self_teacher_runs):
     assert_whole(ranks, "base-fsdp2", "teacher")
 
 
+@launched
 def test_accelerate_fsdp2_ema_teacher_is_refused(self_teacher_runs):
     """An EMA teacher under accelerate's FSDP2 is refused on every rank before training, a full-weight student's (its
     copy's average crashed at the end of step 1 against the student's DTensors) and a LoRA student's (its average
@@ -122,6 +136,7 @@ def test_accelerate_fsdp2_ema_teacher_is_refused(self_teacher_runs):
             assert error.startswith("ValueError: teacher_model_kind='ema' under FSDP is not supported"), error
 
 
+@launched
 def test_student_sharded_before_the_trainer(tmp_path, student_path, teacher_path):
     """A student sharded at load (`from_pretrained(distributed_config=...)`): the Trainer wraps it in nothing and
     OPD logs DDP's numbers, with a teacher sharded at load too (prepared as it is, each rank its part) or whole, and
@@ -167,3 +182,54 @@ def test_student_sharded_before_the_trainer(tmp_path, student_path, teacher_path
         assert teacher["local_elements"] < teacher["elements"]
         assert teacher["divergence_diff"] < 1e-6 and teacher["teacher_logps_diff"] < 1e-6
         assert teacher["score_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("teacher", ["same_tokenizer", "other_tokenizer", "two_teachers", "base_copy"])
+def test_teachers_sit_on_the_accelerators_device_under_fsdp2(
+    tmp_path, student_path, teacher_path, other_teacher_path, math_dataset, teacher
+):
+    """Under accelerate's FSDP every in-process teacher is set up on the accelerator's device.
+
+    The cause of the failed GPU run (BENCHMARKS.md section 7: an embedding with its weight on the CPU called with its
+    input on `cuda:0`): a launched process loads the teacher on the CPU (its `PartialState` says `MULTI_GPU`, so
+    `load_teacher` passes `device_map=None`, as TRL does; a "base" self teacher is a copy of the student, which is
+    on the CPU until `train()` shards it), and `prepare_teacher_model` then called `accelerator.prepare_model(model,
+    evaluation_mode=True)`, which under `DistributedType.FSDP` does not move a model to the device (its
+    `device_placement` defaults to False there, placement being left to the sharding, which a model prepared for
+    evaluation never gets). `train()` moved the sharded student and so the rollouts to `cuda:0`; the teacher's first
+    forward on them met its embedding on the CPU. TRL's own `DistillationTrainer` prepares its teacher the same way.
+
+    One CPU process stands in for the GPU run: the accelerator reports FSDP and the device `meta`, so a teacher left
+    where it was loaded or copied sits on the CPU, not on `meta`. The student is placed later, by `train()`'s
+    sharding."""
+    teachers = {
+        "same_tokenizer": str(teacher_path),
+        "other_tokenizer": str(other_teacher_path),
+        "two_teachers": {"same": str(teacher_path), "other": str(other_teacher_path)},
+        "base_copy": None,
+    }[teacher]
+    config = dict(teacher_model_kind="base") if teacher == "base_copy" else {}
+    data = math_dataset.add_column("privileged_context", math_dataset["completion"])
+    as_fsdp = mock.patch.object(Accelerator, "distributed_type", new_callable=mock.PropertyMock)
+    on_meta = mock.patch.object(Accelerator, "device", new_callable=mock.PropertyMock)
+    with as_fsdp as distributed_type, on_meta as device:
+        distributed_type.return_value, device.return_value = DistributedType.FSDP, torch.device("meta")
+        trainer = OnPolicyDistillTrainer(
+            model=str(student_path),
+            teacher_model=teachers,
+            args=OnPolicyDistillConfig(
+                str(tmp_path),
+                max_steps=1,
+                per_device_train_batch_size=8,
+                num_generations=2,
+                max_completion_length=8,
+                **config,
+                **CPU,
+            ),
+            train_dataset=data,
+        )
+        in_process = getattr(trainer.teacher, "teachers", {"teacher": trainer.teacher})
+        assert len(in_process) == (2 if teacher == "two_teachers" else 1)
+        for name, each in in_process.items():
+            devices = {str(p.device) for p in trainer.accelerator.unwrap_model(each.model).parameters()}
+            assert devices == {"meta"}, f"{name} on {devices}, not on the accelerator's device"

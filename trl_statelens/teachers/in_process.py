@@ -5,6 +5,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from trl.models import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
@@ -28,7 +30,10 @@ from .vocabulary import check_same_vocabulary, vocab_size
 def prepare_teacher_model(trainer, model: PreTrainedModel, path: str | None = None, same_vocabulary: bool = True):
     """`model` made a teacher for `trainer`: its vocabulary checked against the student's (and its tokenizer, saved at
     `path`; not for a teacher of another tokenizer, `same_vocabulary=False`), frozen, in eval mode, with the trainer's
-    fused LM head, prepared as the student is (device, DDP, DeepSpeed)."""
+    fused LM head, prepared as the student is (device, DDP, DeepSpeed). Under FSDP it is moved to the accelerator's
+    device here: accelerate's `prepare_model` places a model only when the run is not FSDP (it leaves that to the
+    sharding, which a model prepared for evaluation never gets), so the teacher would stay on the CPU where it was
+    loaded or copied, beside a student on the GPU. A teacher sharded at load (DTensors) keeps its own placement."""
     args = trainer.args
     if same_vocabulary:
         check_same_vocabulary(trainer.model, trainer._tokenizer, model, path, args.signal)
@@ -37,7 +42,11 @@ def prepare_teacher_model(trainer, model: PreTrainedModel, path: str | None = No
     add_fused_lm_head(model, temperature=trainer.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
     if trainer.is_deepspeed_enabled:
         return prepare_deepspeed(model, trainer.accelerator)
-    return trainer.accelerator.prepare_model(model, evaluation_mode=True)
+    accelerator = trainer.accelerator
+    device_placement = None  # accelerate's default
+    if accelerator.distributed_type == DistributedType.FSDP:
+        device_placement = accelerator.device_placement and not any(isinstance(p, DTensor) for p in model.parameters())
+    return accelerator.prepare_model(model, evaluation_mode=True, device_placement=device_placement)
 
 
 def stand_in_chunk(rows: slice, input_ids: torch.Tensor) -> slice:
