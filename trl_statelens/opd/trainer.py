@@ -208,6 +208,8 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
             state_logging=state_logging,
+            preflight=args.preflight,
+            preflight_prompts=args.preflight_prompts,
         )
         self._has_rewards = reward_funcs is not None
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG (so are

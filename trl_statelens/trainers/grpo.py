@@ -26,6 +26,7 @@ from ..checks import (
 from ..lens.callback import attach_state_logging
 from ..lens.endings import END_KINDS, end_kinds, end_token_ids
 from ..lens.recorder import StateRecorderMixin
+from ..preflight import attach_preflight, check_preflight_settings
 
 
 class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer):
@@ -50,11 +51,21 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         state_logging (`bool`, *optional*, defaults to `True`):
             Attach a default [`StateLoggingCallback`] (records and ledger, no probe drift) unless `callbacks` already
             holds one. With `False` and no such callback, nothing is recorded.
+        preflight (`str`, *optional*, defaults to `"warn"`):
+            Measured checks before the first step (docs/preflight.md): the end tokens, how the student's own rollouts
+            end (cut share, repeats) and the reward spread of its groups. `"warn"` writes `statelens/preflight.json`
+            and logs the result, `"strict"` also refuses to train when a check fails, `"off"` runs none.
+        preflight_prompts (`int`, *optional*, defaults to `16`):
+            Rollouts the preflight samples (`preflight_prompts // num_generations` prompts, each `num_generations`
+            times).
     """
 
     _has_rewards = True  # a subclass may train without reward functions (OnPolicyDistillTrainer): no reward groups
 
-    def __init__(self, *args, state_logging: bool = True, **kwargs):
+    def __init__(
+        self, *args, state_logging: bool = True, preflight: str = "warn", preflight_prompts: int = 16, **kwargs
+    ):
+        check_preflight_settings(preflight, preflight_prompts)
         given = bound_arguments(GRPOTrainer, args, kwargs)
         what = type(self).__name__
         check_train_dataset(given.get("train_dataset"), ("prompt",), what)
@@ -73,6 +84,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         self._advantages_after_answer: list[tuple[bool, float]] = []  # (ended there, teacher - student log-prob)
         self._end_ids = end_token_ids(self._tokenizer, self.model)
         attach_state_logging(self, state_logging)
+        attach_preflight(self, preflight, preflight_prompts)
 
     def _tokens_after_prompt(self) -> int:
         """The most tokens a training sequence holds after its prompt: the completion."""

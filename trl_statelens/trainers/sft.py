@@ -21,6 +21,7 @@ from ..checks import (
 )
 from ..lens.callback import attach_state_logging
 from ..lens.recorder import StateRecorderMixin
+from ..preflight import attach_preflight, check_preflight_settings
 
 
 class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
@@ -42,9 +43,19 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         state_logging (`bool`, *optional*, defaults to `True`):
             Attach a default [`StateLoggingCallback`] (records and ledger, no probe drift) unless `callbacks` already
             holds one. With `False` and no such callback, nothing is recorded.
+        preflight (`str`, *optional*, defaults to `"warn"`):
+            Measured checks before the first step (docs/preflight.md): whether the data's answers end with an end
+            token after the collator, and the data's off-policy gap against the model. `"warn"` writes
+            `statelens/preflight.json` and logs the result, `"strict"` also refuses to train when a check fails,
+            `"off"` runs none.
+        preflight_prompts (`int`, *optional*, defaults to `16`):
+            Training rows the preflight reads.
     """
 
-    def __init__(self, *args, state_logging: bool = True, **kwargs):
+    def __init__(
+        self, *args, state_logging: bool = True, preflight: str = "warn", preflight_prompts: int = 16, **kwargs
+    ):
+        check_preflight_settings(preflight, preflight_prompts)
         given = bound_arguments(SFTTrainer, args, kwargs)
         text_field = getattr(given.get("args"), "dataset_text_field", "text")
         check_train_dataset(given.get("train_dataset"), (text_field, *SFT_COLUMNS), "StateLensSFTTrainer")
@@ -56,6 +67,7 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         # The hook sees the loss's forward through any wrapper (DDP, DeepSpeed, PEFT): they all call this module
         self.model.register_forward_hook(self._record_fused_outputs, with_kwargs=True)
         attach_state_logging(self, state_logging)
+        attach_preflight(self, preflight, preflight_prompts)
 
     # SFTTrainer counts the tokens trained on (`num_tokens`, and the run's FLOPs from it) in memory only: a resumed run
     # would count from 0 again. The count travels with each checkpoint's RNG state, one file per process.
