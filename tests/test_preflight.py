@@ -213,3 +213,18 @@ def test_two_ranks_take_the_main_process_verdict(tmp_path, monkeypatch):
     assert refusals[0] == refusals[1]
     assert (tmp_path / "rank0" / "statelens" / "preflight.json").exists()
     assert not (tmp_path / "rank1" / "statelens").exists()
+
+
+def test_report_and_states_page_show_the_flagged_checks(tmp_path):
+    from trl_statelens.preflight.verdicts import summary, write_summary
+    from trl_statelens.reports.preflight import preflight_html, preflight_rows
+    from trl_statelens.reports.states_page import PAGE
+
+    failing = preflight.Check("teacher/end_after_answer", 0.1, "warn <= 0.5, fail <= 0.2", "fail", "chat turns")
+    write_summary(tmp_path / "run", summary("OnPolicyDistillTrainer", [failing], 1.0, 16))
+    runs = [SimpleNamespace(path=tmp_path / "run", label="opd"), SimpleNamespace(path=tmp_path / "none", label="x")]
+    assert preflight_rows(runs) == [
+        ["opd", "fail", "teacher/end_after_answer", "0.1", failing.threshold, "chat turns"]
+    ]
+    assert "teacher/end_after_answer" in preflight_html(runs) and "{preflight}" in PAGE
+    assert preflight_html(runs[1:]) == ""
