@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from trl import DistillationConfig, GRPOConfig
 
+from ..preflight import check_preflight_settings
 from .config_checks import MIX_SOURCES, SIGNALS, TEACHER_MODEL_KINDS, ConfigChecks
 
 
@@ -294,6 +295,18 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             The run guards' mode ([`~trl_statelens.guards.RunGuards`], docs/guards.md): `"warn"` logs and records
             each guard that fires (a loop, the end token's share collapsing, the teacher KL stalling or rising,
             non-finite losses...), `"stop"` also stops training with a checkpoint saved, `"off"` attaches none.
+
+        > Preflight
+
+        preflight (`str`, *optional*, defaults to `"warn"`):
+            Measured checks of the setting before the first step, on `preflight_prompts` training prompts
+            (docs/preflight.md): the end tokens, how the student's and the teacher's own sampled answers end, the
+            teacher's probability of ending right after its `#### N` line, its prompt frame and context, the
+            student-teacher KL by position, the alignment of a teacher of another tokenizer. `"warn"` writes
+            `statelens/preflight.json` and logs the result, `"strict"` also refuses to train when a check fails,
+            `"off"` runs none. Not run on a resume from a checkpoint.
+        preflight_prompts (`int`, *optional*, defaults to `16`):
+            Training prompts the preflight samples.
     """
 
     # ----- the signal and whose states it supervises -----------------------------------------------------------------
@@ -387,12 +400,19 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     )
     guards: str = field(default="warn", metadata={"help": "Run guards: 'warn', 'stop' or 'off'."})
 
+    # ----- preflight ----------------------------------------------------------------------------------------------
+    preflight: str = field(
+        default="warn", metadata={"help": "Checks before step 1: 'warn', 'strict' (refuse on a failure) or 'off'."}
+    )
+    preflight_prompts: int = field(default=16, metadata={"help": "Training prompts the preflight samples."})
+
     # JSON strings from the command line become dicts in `TrainingArguments.__post_init__`, as TRL's dict fields do
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["state_source_mix", "teacher_model_init_kwargs"]
 
     def __post_init__(self):
         if isinstance(self.state_source_mix, str):  # parsed early: it is checked before GRPO's own checks
             self.state_source_mix = json.loads(self.state_source_mix)
+        check_preflight_settings(self.preflight, self.preflight_prompts)
         if self.signal not in SIGNALS:
             raise ValueError(f"signal={self.signal!r} is not one of {SIGNALS}")
         if self.continuation_length <= 0:

@@ -211,6 +211,8 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             peft_config=peft_config,
             state_logging=state_logging,
             guards=args.guards,
+            preflight=args.preflight,
+            preflight_prompts=args.preflight_prompts,
         )
         self._has_rewards = reward_funcs is not None
         # Per-sample state sources and cut points are drawn from their own generator, never the training RNG (so are

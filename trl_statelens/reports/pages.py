@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from .plots import plot_blocks
+from .preflight import preflight_blocks
 from .run_folders import RUN_FOLDER_CONTENTS, load_run, make_labels_unique
 from .states_page import write_states_page
 from .tables import (
@@ -142,6 +143,7 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
         print("".join(f"  - {line}\n" for line in differences), end="", file=sys.stderr)
     blocks = (
         provenance_blocks
+        + preflight_blocks(runs)
         + table2(runs, base_scores, base_source)
         + state_table(runs)
         + teacher_table(runs)

@@ -28,6 +28,7 @@ import html
 import json
 from pathlib import Path
 
+from .preflight import preflight_html
 from .states_data import MAX_SEQUENCES, MAX_TOKENS, page_data
 
 
@@ -37,6 +38,7 @@ def write_states_page(runs, path, max_sequences: int = MAX_SEQUENCES, max_tokens
     data = data.replace("</", "<\\/")  # no `</script>` inside the data block
     title = "StateLens states: " + ", ".join(run.label for run in runs)
     page = PAGE.replace("{title}", html.escape(title)).replace("{style}", STYLE).replace("{script}", SCRIPT)
+    page = page.replace("{preflight}", preflight_html(runs))
     page = page.replace("{data}", data)  # last: the data may hold any text, including the placeholders
     path = Path(path)
     path.write_text(page, encoding="utf-8")
@@ -50,7 +52,7 @@ PAGE = """<!DOCTYPE html>
 <style>{style}</style></head>
 <body>
 <h1>StateLens states</h1>
-<p id="summary"></p>
+{preflight}<p id="summary"></p>
 <div id="errors" hidden></div>
 <div id="layout">
 <section id="left">

@@ -27,6 +27,7 @@ from ..guards import attach_guards, check_mode
 from ..lens.callback import attach_state_logging
 from ..lens.endings import END_KINDS, end_kinds, end_token_ids
 from ..lens.recorder import StateRecorderMixin
+from ..preflight import attach_preflight, check_preflight_settings
 
 
 class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer):
@@ -55,12 +56,28 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
             Attach a [`~trl_statelens.guards.RunGuards`] in this mode unless `callbacks` already holds one: `"warn"`
             (log and record each guard that fires), `"stop"` (also stop training with a checkpoint saved) or `"off"`
             (docs/guards.md).
+        preflight (`str`, *optional*, defaults to `"warn"`):
+            Measured checks before the first step (docs/preflight.md): the end tokens, how the student's own rollouts
+            end (cut share, repeats) and the reward spread of its groups. `"warn"` writes `statelens/preflight.json`
+            and logs the result, `"strict"` also refuses to train when a check fails, `"off"` runs none.
+        preflight_prompts (`int`, *optional*, defaults to `16`):
+            Rollouts the preflight samples (`preflight_prompts // num_generations` prompts, each `num_generations`
+            times).
     """
 
     _has_rewards = True  # a subclass may train without reward functions (OnPolicyDistillTrainer): no reward groups
 
-    def __init__(self, *args, state_logging: bool = True, guards: str = "warn", **kwargs):
+    def __init__(
+        self,
+        *args,
+        state_logging: bool = True,
+        guards: str = "warn",
+        preflight: str = "warn",
+        preflight_prompts: int = 16,
+        **kwargs,
+    ):
         check_mode(guards)
+        check_preflight_settings(preflight, preflight_prompts)
         given = bound_arguments(GRPOTrainer, args, kwargs)
         what = type(self).__name__
         check_train_dataset(given.get("train_dataset"), ("prompt",), what)
@@ -80,6 +97,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         self._end_ids = end_token_ids(self._tokenizer, self.model)
         attach_state_logging(self, state_logging)
         attach_guards(self, guards)
+        attach_preflight(self, preflight, preflight_prompts)
 
     def _tokens_after_prompt(self) -> int:
         """The most tokens a training sequence holds after its prompt: the completion."""

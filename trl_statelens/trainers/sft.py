@@ -22,6 +22,7 @@ from ..checks import (
 from ..guards import attach_guards, check_mode
 from ..lens.callback import attach_state_logging
 from ..lens.recorder import StateRecorderMixin
+from ..preflight import attach_preflight, check_preflight_settings
 
 
 class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
@@ -47,10 +48,26 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
             Attach a [`~trl_statelens.guards.RunGuards`] in this mode unless `callbacks` already holds one: `"warn"`
             (log and record each guard that fires), `"stop"` (also stop training with a checkpoint saved) or `"off"`
             (docs/guards.md).
+        preflight (`str`, *optional*, defaults to `"warn"`):
+            Measured checks before the first step (docs/preflight.md): whether the data's answers end with an end
+            token after the collator, and the data's off-policy gap against the model. `"warn"` writes
+            `statelens/preflight.json` and logs the result, `"strict"` also refuses to train when a check fails,
+            `"off"` runs none.
+        preflight_prompts (`int`, *optional*, defaults to `16`):
+            Training rows the preflight reads.
     """
 
-    def __init__(self, *args, state_logging: bool = True, guards: str = "warn", **kwargs):
+    def __init__(
+        self,
+        *args,
+        state_logging: bool = True,
+        guards: str = "warn",
+        preflight: str = "warn",
+        preflight_prompts: int = 16,
+        **kwargs,
+    ):
         check_mode(guards)
+        check_preflight_settings(preflight, preflight_prompts)
         given = bound_arguments(SFTTrainer, args, kwargs)
         text_field = getattr(given.get("args"), "dataset_text_field", "text")
         check_train_dataset(given.get("train_dataset"), (text_field, *SFT_COLUMNS), "StateLensSFTTrainer")
@@ -63,6 +80,7 @@ class StateLensSFTTrainer(StateRecorderMixin, FiniteGradientsMixin, SFTTrainer):
         self.model.register_forward_hook(self._record_fused_outputs, with_kwargs=True)
         attach_state_logging(self, state_logging)
         attach_guards(self, guards)
+        attach_preflight(self, preflight, preflight_prompts)
 
     # SFTTrainer counts the tokens trained on (`num_tokens`, and the run's FLOPs from it) in memory only: a resumed run
     # would count from 0 again. The count travels with each checkpoint's RNG state, one file per process.
