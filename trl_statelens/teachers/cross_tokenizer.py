@@ -118,9 +118,6 @@ def check_before_loading(
     teacher_vocab = byte_vocabulary(teacher_tokenizer)
     check_spells_text_back(student_tokenizer, student_vocab, "the student's")
     check_spells_text_back(teacher_tokenizer, teacher_vocab, "the teacher's")
-    tokenizer_eos = student_tokenizer.eos_token_id
-    ends = [token_id for token_id in dict.fromkeys([tokenizer_eos, *end_token_ids]) if token_id is not None]
-    refuse_unmapped_ends(student_vocab, teacher_vocab, tokenizer_eos, ends)
     if conversational and not args.teacher_reads_student_text and not teacher_tokenizer.chat_template:
         raise ValueError(
             f"the teacher's tokenizer ({path}) differs from the student's and has no chat template, so it cannot read "
@@ -128,6 +125,9 @@ def check_before_loading(
             "saved with the teacher), set teacher_reads_student_text=True (it reads the student's prompt as text, "
             "markup included) or train on plain-text prompts"
         )
+    tokenizer_eos = student_tokenizer.eos_token_id
+    ends = [token_id for token_id in dict.fromkeys([tokenizer_eos, *end_token_ids]) if token_id is not None]
+    refuse_unmapped_ends(student_vocab, teacher_vocab, tokenizer_eos, ends)
     return True
 
 
