@@ -261,3 +261,28 @@ def test_the_recipe_reads_a_served_teachers_short_name_for_its_tokenizer(
             dataset=math_dataset.select(range(8)),
         )
     assert isinstance(made["teacher"], ServedCrossTokenizerTeacher)
+
+
+def test_the_student_is_kept_from_sampling_what_a_teacher_of_another_tokenizer_cannot_read(
+    tmp_path, student_path, big_teacher_path, math_dataset
+):
+    """A student special token of no role (SmolLM2's `<file_sep>`) and its output layer's rows past its tokenizer are
+    suppressed in its generation, as the teacher is kept from writing ids the student cannot read."""
+    student = tmp_path / "student"
+    tokenizer = AutoTokenizer.from_pretrained(student_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<file_sep>"]})
+    tokenizer.save_pretrained(student)
+    model = AutoModelForCausalLM.from_pretrained(student_path)
+    model.resize_token_embeddings(len(tokenizer) + 15)
+    model.save_pretrained(student)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student),
+        teacher_model=str(big_teacher_path),
+        args=opd_config(tmp_path / "run", max_completion_length=8),
+        train_dataset=math_dataset.select(range(8)),
+        state_logging=False,
+    )
+    file_sep = tokenizer.convert_tokens_to_ids("<file_sep>")
+    expected = [file_sep, *range(len(tokenizer), len(tokenizer) + 15)]
+    assert trainer.generation_config.suppress_tokens == trainer.generation_kwargs["suppress_tokens"] == expected
+    trainer.train()  # and it trains
