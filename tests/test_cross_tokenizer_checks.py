@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_alignment import CHATML, GEMMA_STYLE, byte_level_tokenizer, sentencepiece_style_tokenizer
 from test_collective import TwoRanks
 from test_cross_tokenizer_teacher import opd_config
@@ -286,3 +287,13 @@ def test_the_student_is_kept_from_sampling_what_a_teacher_of_another_tokenizer_c
     expected = [file_sep, *range(len(tokenizer), len(tokenizer) + 15)]
     assert trainer.generation_config.suppress_tokens == trainer.generation_kwargs["suppress_tokens"] == expected
     trainer.train()  # and it trains
+
+
+def test_tokenizer_ids_past_the_teachers_output_layer_carry_no_mass(split, whole):
+    """A tokenizer with ids past its model's rows (Gemma 3's `<image_soft_token>` at 262,144): the distribution carried
+    to the student is padded with zeros there, not refused."""
+    teacher = reading_teacher(split, whole)
+    rows = len(teacher.teacher_vocab) - 3
+    probs = teacher._full_width(torch.randn(2, rows).log_softmax(-1))
+    assert probs.shape == (2, len(teacher.teacher_vocab)) and (probs[:, rows:] == 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
