@@ -110,10 +110,10 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
         teacher_path = args.teacher_model_name_or_path  # recorded in results.json
     elif training_args.teacher_model_server_url is None:
         teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
-    else:  # the served teacher's weights are not loaded here; a lab name has the student's tokenizer anyway
-        teacher_path = (
-            None if args.teacher_model_name_or_path in (LAB, LAB_TEACHER) else args.teacher_model_name_or_path
-        )
+    elif args.teacher_model_name_or_path in (LAB, LAB_TEACHER):  # served: the lab has the student's tokenizer anyway
+        teacher_path = None
+    else:  # served: not loaded here, only read for its tokenizer (a real model's short name is resolved first)
+        teacher_path = resolve_model(args.teacher_model_name_or_path, args.lab_seed)
     if dataset is None:
         dataset = load_train_data(args, training_args.seed)
     callback = state_logging_callback(args)

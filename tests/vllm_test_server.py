@@ -15,6 +15,8 @@ Not part of the package: users run vLLM. This serves a transformers causal LM on
     `seed + j`), stopping at the model's eos (kept, `finish_reason` `"stop"`);
     `token_ids`/`prompt_token_ids` with `return_token_ids`; `logprobs` (`{"text_offset", "token_logprobs", "tokens",
     "top_logprobs"}`, log-probs after temperature and truncation as `--logprobs-mode processed_logprobs`) when asked;
+- `POST /tokenize` (`{"prompt", "add_special_tokens"}`): `{"count", "max_model_len", "tokens"}`, as vLLM answers (off
+  with `tokenize=False`, a server without it);
 - errors as vLLM shapes them: `{"error": {"message", "type", "param", "code"}}` with 400 (bad request) or 404
   (unknown model or path).
 
@@ -71,6 +73,7 @@ class TestTeacherServer:
         vocab_size: int | None = None,
         seed: int = 0,
         latency: float = 0.0,
+        tokenize: bool = True,
     ):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -83,6 +86,7 @@ class TestTeacherServer:
         self.served_model_name = served_model_name
         self.max_logprobs = max_logprobs
         self.latency = latency
+        self.tokenize = tokenize
         self.fail_after, self.fail_times, self.fail_status = fail_after, fail_times, fail_status
         self.requests = self.failed = 0
         self._lock = threading.Lock()  # one forward at a time, as one engine would
@@ -347,7 +351,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path != "/v1/completions":
+        if self.path == "/tokenize" and self.teacher.tokenize:
+            ids = self.teacher.tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+            count = len(ids["input_ids"])
+            self._send(200, {"count": count, "max_model_len": self.teacher.max_model_len, "tokens": ids["input_ids"]})
+        elif self.path != "/v1/completions":
             self._error(404, f"Not Found: {self.path}")
         elif self.teacher.should_fail():
             self._error(self.teacher.fail_status, "EngineCore encountered an issue (test server failure switch)")

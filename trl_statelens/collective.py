@@ -3,14 +3,11 @@
 The counts and sums the processes exchange for the trainer's bookkeeping go through here ([`gather_counts`],
 [`sum_over_ranks`]): a gather one process skips leaves the others waiting in it, and a test plays several processes
 by patching this module alone (tests/test_collective.py). Callers reach these functions through the module
-(`collective.gather_counts(...)`), never by importing their names. Besides the teachers' calls below: the trainer's
-bad-row check (`opd/rollouts.py`), its per-step selection counts (`opd/trainer.py`) and teacher metrics
-(`opd/loss.py`), state selection (`opd/selection.py`), the teacher cache (`opd/cache.py`), the records' teacher
-tokens (`lens/recorder.py`) and how the step's rollouts ended (`trainers/grpo.py`). What the main process alone knows reaches the others through [`from_main_process`]
-(`StateLoggingCallback`'s ledger totals at a resume and its `max_flops` stop), and a failure on one process is raised
-on all of them through [`raise_together`] (a served teacher's failed request: `teachers/base.py`,
-`teachers/served.py`). Tensors that travel whole (the loss's `num_items_in_batch`, the records' table, an EMA
-teacher's ZeRO-3 shards) are gathered where they are used.
+(`collective.gather_counts(...)`), never by importing their names (grep for `collective.` to find them). What the
+main process alone knows reaches the others through [`from_main_process`], and a failure on one process (a bad row, a
+row a teacher cannot read, a served teacher's failed request) is raised on all of them through [`raise_together`].
+Tensors that travel whole (the loss's `num_items_in_batch`, the records' table, an EMA teacher's ZeRO-3 shards) are
+gathered where they are used.
 
 How many model calls a teacher makes on each training process: the same number on all of them.
 

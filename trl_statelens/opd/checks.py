@@ -4,7 +4,10 @@ problem and the fix (docs/bad-input.md)."""
 
 from __future__ import annotations
 
+from transformers import GenerationConfig
+
 from ..checks import check_train_dataset
+from ..teachers import check_before_loading
 from .config import OnPolicyDistillConfig
 
 
@@ -166,3 +169,40 @@ def check_teacher_settings_are_read(teacher_model, args: OnPolicyDistillConfig) 
         served=any(_is_url(t) for t in teachers),
         loads_a_path=any(isinstance(t, str) and not _is_url(t) for t in teachers),
     )
+
+
+def teacher_checks(args, tokenizer, model, train_dataset, eval_dataset):
+    """`check(path, served=False)`: [`check_before_loading`] of the teacher at `path` against the student `model`:
+    its `tokenizer` (`None`: not known yet), its end tokens from its generation config (as GRPO reads them) and
+    whether the data holds conversational prompts (a map dataset's first row)."""
+    if isinstance(model, str):
+        try:
+            config = GenerationConfig.from_pretrained(model)
+        except OSError:
+            config = None
+    else:
+        config = getattr(model, "generation_config", None)
+    ends = getattr(config, "eos_token_id", None)
+    ends = [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+    splits = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    conversational = any(
+        hasattr(split, "__len__") and len(split) and isinstance(split[0]["prompt"], list)
+        for split in [train_dataset, *splits]
+        if split is not None
+    )
+
+    def check(path: str, served: bool = False) -> bool | None:
+        return check_before_loading(args, tokenizer, path, served, end_token_ids=ends, conversational=conversational)
+
+    return check
+
+
+def refuse_reading_student_text(args, crosses: list[bool | None]) -> None:
+    """`teacher_reads_student_text` with teachers all known to have the student's tokenizer (`crosses`: per teacher,
+    whether it has another; `None`: not known yet) is refused."""
+    if args.teacher_reads_student_text and crosses and not any(c is None or c for c in crosses):
+        raise ValueError(
+            "teacher_reads_student_text=True, but no teacher has another tokenizer than the student's: a teacher of "
+            "the student's tokenizer reads its prompt tokens as they are, so the setting is never read. Leave it "
+            "False"
+        )

@@ -14,6 +14,7 @@ from trl.trainer.utils import pad
 from .. import collective
 from ..lens.records import source_code
 from ..teachers.self_teacher import with_context
+from ..teachers.vocabulary import vocab_size
 from .checks import check_rows, row_columns
 from .config import MIX_SOURCES
 from .selection import select_and_score
@@ -102,14 +103,7 @@ class RolloutsMixin:
             teachers = self.teacher.route([row.get("teacher_id") for row in inputs])
         except ValueError as raised:
             error = raised
-        failed = collective.gather_counts(self.accelerator, int(error is not None))
-        if error is not None:
-            raise error
-        if any(failed):
-            raise ValueError(
-                f"process {failed.index(1)} found a bad row in its batch (its error is in its log); every process "
-                "stops here"
-            )
+        collective.raise_together(self.accelerator, error, "a bad row in its batch", ValueError)
         return teachers
 
     def _teacher_prompts(self, prompt_ids, rows):
@@ -127,7 +121,34 @@ class RolloutsMixin:
                 for row in rows
             ]
             prompt_ids = [list(ids) for ids in self._tokenize_prompts([row["prompt"] for row in rows])[0]]
-        return self.teacher.prompts(prompt_ids, rows)
+        # On every rank, rows or none: a row its teacher cannot read (a teacher of another tokenizer reads it as text,
+        # through its own chat template) stops every rank here, before the generation's collectives
+        prompts, error = None, None
+        try:
+            prompts = self.teacher.prompts(prompt_ids, rows)
+        except ValueError as raised:
+            error = raised
+        collective.raise_together(self.accelerator, error, "a row its teacher could not read", ValueError)
+        return prompts
+
+    def _suppress_unreadable_ids(self) -> None:
+        """Keep the student from sampling ids a teacher of another tokenizer cannot read: its special tokens of no role
+        that teacher has (SmolLM2's `<file_sep>`, ...) and the rows of its output layer past its tokenizer. They join
+        the `suppress_tokens` of its generation, as the teacher is kept from writing ids the student cannot read.
+        (Under vLLM they are not suppressed: a row holding one stops every process where it is read.)"""
+        if self.use_vllm:
+            return
+        teachers = getattr(self.teacher, "teachers", {"teacher": self.teacher}).values()
+        unreadable = set()
+        for teacher in teachers:
+            if teacher.crosses_tokenizers:
+                rows = vocab_size(self.model)
+                unreadable |= {i for i in teacher.unreadable_student_ids if i < rows}
+                unreadable |= set(range(len(teacher.student_vocab), rows))
+        if not unreadable:
+            return
+        suppressed = sorted(set(self.generation_kwargs.get("suppress_tokens") or []) | unreadable)
+        self.generation_kwargs["suppress_tokens"] = self.generation_config.suppress_tokens = suppressed
 
     def _generate(self, prompts):
         length = self._set_rollout_length()

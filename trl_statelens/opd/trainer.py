@@ -27,7 +27,6 @@ from ..lens.step_counts import StepCounts
 from ..teachers import (
     SelfTeacher,
     TeacherRouter,
-    check_before_loading,
     load_teacher,
     load_teachers,
     read_tokenizer,
@@ -36,7 +35,7 @@ from ..teachers import (
 )
 from ..trainers.grpo import StateLensGRPOTrainer
 from .cache import TeacherCache
-from .checks import check_datasets, check_teacher_settings_are_read
+from .checks import check_datasets, check_teacher_settings_are_read, refuse_reading_student_text, teacher_checks
 from .config import MIX_SOURCES, OnPolicyDistillConfig
 from .loss import LossMixin
 from .rollouts import LEARNER, RolloutBatch, RolloutsMixin, no_reward
@@ -169,13 +168,19 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                     "teacher_model_server_url serves a single teacher: with several teachers, give each served one's "
                     "URL as its value in the teacher_model dict"
                 )
-            student_tokenizer = _student_tokenizer(model, processing_class)
+            check = teacher_checks(
+                args, _student_tokenizer(model, processing_class), model, train_dataset, eval_dataset
+            )
+            crosses = []
             for name, teacher in teacher_model.items():
                 if isinstance(teacher, str) and not teacher.startswith(("http://", "https://")):
                     try:
-                        check_before_loading(args, student_tokenizer, teacher)
+                        crosses.append(check(teacher))
                     except ValueError as error:
                         raise ValueError(f"teacher {name!r}: {error}") from error
+                else:
+                    crosses.append(None)  # an instance or a server: known once it is reached
+            refuse_reading_student_text(args, crosses)
             loaded_teachers = load_teachers(teacher_model, args)
         elif args.teacher_model_server_url is not None:
             if not (teacher_model is None or isinstance(teacher_model, str)):
@@ -186,7 +191,10 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                 )
             teacher_path, teacher_model = teacher_model, None
             if teacher_path is not None:
-                check_before_loading(args, _student_tokenizer(model, processing_class), teacher_path, served=True)
+                check = teacher_checks(
+                    args, _student_tokenizer(model, processing_class), model, train_dataset, eval_dataset
+                )
+                refuse_reading_student_text(args, [check(teacher_path, served=True)])
         elif teacher_model is None:
             raise ValueError(
                 "OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id), or the address of a "
@@ -194,7 +202,10 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             )
         elif isinstance(teacher_model, str):
             teacher_path = teacher_model
-            check_before_loading(args, _student_tokenizer(model, processing_class), teacher_path)
+            check = teacher_checks(
+                args, _student_tokenizer(model, processing_class), model, train_dataset, eval_dataset
+            )
+            refuse_reading_student_text(args, [check(teacher_path)])
             teacher_model = load_teacher(teacher_model, args)
         else:
             teacher_path = None
@@ -238,12 +249,9 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             self.teacher = served_teacher(self, teacher_path)
         else:
             self.teacher = teacher_in_process(self, teacher_model, teacher_path)
-        if args.teacher_reads_student_text and not self.teacher.crosses_tokenizers:
-            raise ValueError(
-                "teacher_reads_student_text=True, but no teacher has another tokenizer than the student's: a teacher of "
-                "the student's tokenizer reads its prompt tokens as they are, so the setting is never read. Leave it "
-                "False"
-            )
+        if not self.teacher.crosses_tokenizers:
+            refuse_reading_student_text(args, [False])
+        self._suppress_unreadable_ids()
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
         # served teacher, several teachers)
         self.teacher_model = self.teacher.model

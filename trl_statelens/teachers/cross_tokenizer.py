@@ -40,12 +40,12 @@ from .alignment import (
     next_token_map,
 )
 from .base import RowScores, answered, batch_rows
-from .byte_vocab import byte_vocabulary, special_token_map, unmapped_special_message
+from .byte_vocab import byte_vocabulary
 from .in_process import InProcessTeacher, prepare_teacher_model, stand_in_chunk
-from .reads_text import ReadsText
+from .reads_text import ReadsText, check_spells_text_back, refuse_unmapped_ends
 from .served import ServedTeacher
 from .server_client import TeacherServerClient
-from .vocabulary import read_tokenizer, token_id_mismatch, vocab_size
+from .vocabulary import model_path, read_teacher_tokenizer, read_tokenizer, token_id_mismatch, vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,11 @@ ID_SETTINGS = (
 
 
 def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
-    """The in-process teacher for `model` (loaded from `path`, if any): a [`CrossTokenizerTeacher`] when the tokenizer
-    saved at `path` maps tokens to ids otherwise than the student's, else an [`InProcessTeacher`]."""
+    """The in-process teacher for `model` (loaded from `path`; an instance's tokenizer is read from where it was
+    loaded, its `name_or_path`): a [`CrossTokenizerTeacher`] when that tokenizer maps tokens to ids otherwise than the
+    student's, else an [`InProcessTeacher`] (which refuses a teacher whose tokenizer was not read and whose output
+    layer clearly differs from the student's: `check_same_vocabulary`)."""
+    path = path or model_path(model)
     teacher_tokenizer = read_tokenizer(path)
     if teacher_tokenizer is None or token_id_mismatch(trainer._tokenizer, teacher_tokenizer, path) is None:
         return InProcessTeacher.prepared(trainer, model, path)
@@ -73,7 +76,8 @@ def teacher_in_process(trainer, model, path: str | None) -> InProcessTeacher:
 
 def served_teacher(trainer, path: str | None, url: str | None = None) -> ServedTeacher:
     """The teacher served at `url` (default: `teacher_model_server_url`): a [`ServedCrossTokenizerTeacher`] when the
-    tokenizer saved at `path` maps tokens to ids otherwise than the student's, else a [`ServedTeacher`]."""
+    tokenizer saved at `path` maps tokens to ids otherwise than the student's, else a [`ServedTeacher`] (whose client
+    compares the server's own tokenization with the student's: `TeacherServerClient`)."""
     teacher_tokenizer = read_tokenizer(path)
     if teacher_tokenizer is None or token_id_mismatch(trainer._tokenizer, teacher_tokenizer, path) is None:
         return ServedTeacher.connect(trainer, path, url)
@@ -93,23 +97,38 @@ def refuse_unsupported(args, name: str, served: bool = False) -> None:
         )
 
 
-def check_before_loading(args, student_tokenizer, path: str, served: bool = False) -> None:
-    """Before any model loads (Gemma 3 270M takes over a minute on 2 cores): if the tokenizer saved at the teacher's
-    `path` (`served`: the tokenizer of a teacher behind a server) differs from `student_tokenizer` (`None`: not known
-    yet, nothing checked), the settings it cannot serve, tokenizers that cannot spell their tokens in bytes, and a
-    student end-of-sequence token with no counterpart by role are refused, as `CrossTokenizerTeacher.prepared` (or
-    `ServedCrossTokenizerTeacher.connect`) would refuse them after loading."""
-    teacher_tokenizer = read_tokenizer(path)
+def check_before_loading(
+    args, student_tokenizer, path: str, served: bool = False, end_token_ids=(), conversational: bool = False
+) -> bool | None:
+    """Before any model loads (Gemma 3 270M takes over a minute on 2 cores), what the tokenizer saved at the teacher's
+    `path` (`served`: the tokenizer of a teacher behind a server) decides; a path that is neither a folder nor a hub
+    model that can be read is refused. If it differs from `student_tokenizer` (`None`: not known yet, nothing more
+    checked), the settings it cannot serve, tokenizers that cannot spell their tokens in bytes or do not spell text
+    back, a student end token (its eos and `end_token_ids`, its generation config's) with no counterpart by role, and,
+    on `conversational` data, a teacher tokenizer without a chat template are refused, as
+    `CrossTokenizerTeacher.prepared` (or `ServedCrossTokenizerTeacher.connect`) and the first batch would refuse them
+    after loading. Returns whether the teacher has another tokenizer (`None`: not known)."""
+    teacher_tokenizer = read_teacher_tokenizer(path)
     if student_tokenizer is None or teacher_tokenizer is None:
-        return
+        return None
     if token_id_mismatch(student_tokenizer, teacher_tokenizer, path) is None:
-        return
+        return False
     refuse_unsupported(args, path, served)
     student_vocab = byte_vocabulary(student_tokenizer, "the student's")
     teacher_vocab = byte_vocabulary(teacher_tokenizer)
-    specials = special_token_map(student_vocab, teacher_vocab)
-    if student_tokenizer.eos_token_id is not None and student_tokenizer.eos_token_id not in specials:
-        raise ValueError(unmapped_special_message(student_vocab, teacher_vocab, student_tokenizer.eos_token_id))
+    check_spells_text_back(student_tokenizer, student_vocab, "the student's")
+    check_spells_text_back(teacher_tokenizer, teacher_vocab, "the teacher's")
+    if conversational and not args.teacher_reads_student_text and not teacher_tokenizer.chat_template:
+        raise ValueError(
+            f"the teacher's tokenizer ({path}) differs from the student's and has no chat template, so it cannot read "
+            "the dataset's conversational prompts in its own layout: give it one (`tokenizer.chat_template = ...`, "
+            "saved with the teacher), set teacher_reads_student_text=True (it reads the student's prompt as text, "
+            "markup included) or train on plain-text prompts"
+        )
+    tokenizer_eos = student_tokenizer.eos_token_id
+    ends = [token_id for token_id in dict.fromkeys([tokenizer_eos, *end_token_ids]) if token_id is not None]
+    refuse_unmapped_ends(student_vocab, teacher_vocab, tokenizer_eos, ends)
+    return True
 
 
 class TextReading(NamedTuple):
@@ -168,9 +187,9 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         call on every rank while any rank has rows, as [`InProcessTeacher.generate`] (collective under ZeRO-3)."""
         # Only the continuation is tokenized for the student: the prefix's own tokens are the states supervised, and
         # tokenizing prefix and continuation together could merge tokens across the cut and change them
-        written = self._written(
-            self._teacher_sequences(prompts, prefixes), max_new_tokens, self.pad_id, self.teacher_ends, self.unreadable
-        )
+        # Respelled on every rank before the collective generation: a prefix that cannot be read raises on all
+        sequences = self._read_on_every_rank(lambda: self._teacher_sequences(prompts, prefixes))
+        written = self._written(sequences, max_new_tokens, self.pad_id, self.teacher_ends, self.unreadable)
         return [self.student_continuation(row, max_new_tokens) for row in written]
 
     def _generation_config(self):
@@ -189,14 +208,18 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
 
         With `distribution=True` (the `divergence` signal) no forward runs: each row's [`TextReading`], whose
         distributions `divergence_loss` computes and carries over within the loss."""
-        teacher_completions = self._respelled(completions)
+        # Respelled (and, for `divergence`, aligned) on every rank before any forward: a row that cannot be read
+        # raises on all of them
+        teacher_completions = self._read_on_every_rank(lambda: self._respelled(completions))
         if distribution:
-            readings = [
-                TextReading(
-                    prompt, teacher_ids, align_token_ids(ids, teacher_ids, self.student_vocab, self.teacher_vocab)
-                )
-                for prompt, ids, teacher_ids in zip(prompts, completions, teacher_completions, strict=True)
-            ]
+            readings = self._read_on_every_rank(
+                lambda: [
+                    TextReading(
+                        prompt, teacher_ids, align_token_ids(ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+                    )
+                    for prompt, ids, teacher_ids in zip(prompts, completions, teacher_completions, strict=True)
+                ]
+            )
             return batch_rows(answered(readings), len(readings))
         if self.movable.any():
             scores, end_logmass = self._scores_and_end_logmass(prompts, teacher_completions)
@@ -249,9 +272,16 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         moved = torch.zeros(len(tokens), device=logps.device)
         for j, token_id in enumerate(tokens):
             longer = self.extensions(token_id)
+            longer = longer[longer < logps.size(-1)]  # a tokenizer's ids past the model's rows have no log-prob
             if len(longer) > 1:
                 moved[j] = logps[j, longer.to(logps.device)].logsumexp(0) - values[j]
         return values.cpu(), moved.cpu()
+
+    def _full_width(self, logps: torch.Tensor) -> torch.Tensor:
+        """Probabilities from the teacher's log-probs `(n, rows)`, one per id of its tokenizer at least: the ids past
+        the model's rows (Gemma 3's `<image_soft_token>`, at its 262,144) carry none."""
+        missing = len(self.teacher_vocab) - logps.size(-1)
+        return torch.nn.functional.pad(logps.exp(), (0, max(missing, 0)))
 
     def _mapping(self, device) -> NextTokenMap:
         """This pair's [`NextTokenMap`], built on first use (about a second for a Gemma 3 teacher and a SmolLM2
@@ -296,7 +326,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             supervised = loss_mask[i, student_at] != 0
             student_at, teacher_at = student_at[supervised], teacher_at[supervised]
             if len(student_at):
-                carried = map_next_token_distribution(self._mapping(logps.device), logps[teacher_at].exp())
+                carried = map_next_token_distribution(self._mapping(logps.device), self._full_width(logps[teacher_at]))
                 leftover[i, student_at] = carried.leftover.to(device)
                 positions += [(i, s) for s in student_at.tolist()]
                 mapped.append(carried.student_probs)
@@ -338,10 +368,13 @@ class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
         largest id scored), after the settings and the end tokens' roles."""
         args = trainer.args
         refuse_unsupported(args, tokenizer.name_or_path, served=True)
+        # Checked up to its largest id that spells text: a special token past the model's rows (Gemma 3's
+        # `<image_soft_token>`, at its 262,144) is never sent to it
+        specials = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
         server = TeacherServerClient(
             url or args.teacher_model_server_url,
             tokenizer,
-            len(tokenizer),
+            max(token_id for token_id in tokenizer.get_vocab().values() if token_id not in specials) + 1,
             timeout=args.teacher_server_timeout,
             max_retries=args.teacher_server_max_retries,
             retry_backoff=args.teacher_server_retry_backoff,
@@ -387,7 +420,8 @@ class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
     def score(self, prompts, completions, distribution=False, teachers=None):
         """As [`ServedTeacher.score`], on the teacher's spelling of the completions after its own prompts, carried
         back onto the student's tokens."""
-        teacher_completions = self._respelled(completions)
+        # Respelled on every rank, rows or none: a row that cannot be read raises on all of them
+        teacher_completions = self._read_on_every_rank(lambda: self._respelled(completions))
         sequences = [p + c for p, c in zip(prompts, teacher_completions)]
         lengths = [len(p) for p in prompts]
 

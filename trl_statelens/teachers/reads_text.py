@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import re
 
 import torch
 
+from .. import collective
 from .alignment import (
     TokenAlignment,
     align_token_ids,
@@ -37,8 +39,13 @@ def one_byte_tokens(vocab: ByteVocabulary) -> dict[bytes, int]:
     return byte_ids
 
 
-def tokenized_bytes(data: bytes, tokenizer, byte_ids: dict[bytes, int]) -> list[int]:
-    """`data` as `tokenizer` tokenizes text, each run of bytes that is no whole UTF-8 text as its one-byte tokens."""
+def tokenized_bytes(data: bytes, tokenizer, byte_ids: dict[bytes, int], vocab: ByteVocabulary) -> list[int]:
+    """`data` as `tokenizer` tokenizes text, each run of bytes that is no whole UTF-8 text as its one-byte tokens.
+
+    The text is read as text only: a special token's string in it (`"<eos>"`) is tokenized as the characters it
+    holds, not matched as the special token. A word the tokenizer would not spell back byte for byte (a literal `▁`,
+    which a SentencePiece tokenizer reads as a space) is given as its one-byte tokens: the teacher then reads the
+    bytes the student wrote, in a spelling its tokenizer would not choose."""
     ids = []
     while data:
         try:
@@ -46,11 +53,91 @@ def tokenized_bytes(data: bytes, tokenizer, byte_ids: dict[bytes, int]) -> list[
         except UnicodeDecodeError as error:
             text = data[: error.start].decode("utf-8")
             bad, data = data[error.start : error.end], data[error.end :]
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += _text_ids(text, tokenizer, byte_ids, vocab) if text else []
             ids += [byte_ids[bytes([b])] for b in bad]
             continue
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += _text_ids(text, tokenizer, byte_ids, vocab)
     return ids
+
+
+def _tokenized(text: str, tokenizer) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def bytes_of(ids: list[int], vocab: ByteVocabulary) -> bytes | None:
+    """The bytes `ids` spell, or `None` if one of them spells none (a special token, an id past the tokenizer)."""
+    parts = [vocab.token_bytes[i] if i < len(vocab) else None for i in ids]
+    return None if None in parts else b"".join(parts)
+
+
+def _text_ids(text: str, tokenizer, byte_ids: dict[bytes, int], vocab: ByteVocabulary) -> list[int]:
+    ids = _tokenized(text, tokenizer)
+    if bytes_of(ids, vocab) == text.encode("utf-8"):
+        return ids
+    ids = []  # word by word (a word with the spaces before it), each word spelled back or given as its bytes
+    for word in re.findall(r"\s*\S+|\s+", text):
+        word_ids = _tokenized(word, tokenizer)
+        data = word.encode("utf-8")
+        ids += word_ids if bytes_of(word_ids, vocab) == data else [byte_ids[bytes([b])] for b in data]
+    return ids
+
+
+# Plain text a tokenizer must spell back as it is, and text it reads only through `tokenized_bytes` (a combining
+# accent and the OHM SIGN, which a Unicode normaliser rewrites; a literal `▁`; special tokens' strings)
+PLAIN_PROBE = "The 12 apples cost $3.50, said Ann."
+HARD_PROBE = "e\u0301 5 \u2126 a\u2581b <eos> <|im_end|> x"
+
+
+def check_spells_text_back(tokenizer, vocab: ByteVocabulary, whose: str) -> None:
+    """Refuse a tokenizer whose tokens do not spell plain text back as it was (`whose`: `"the teacher's"` or `"the
+    student's"`, for the message): one that adds a space before the text (SentencePiece's `prepend_scheme="first"`,
+    the Llama 2 and Mistral v0.1 layout) or lowercases it. Across tokenizers each side reads the other's text in its
+    own tokens: a word its tokenizer rewrites is read as its one-byte tokens (`tokenized_bytes`), so that a tokenizer
+    rewriting every text would read nothing but bytes. A rarer rewrite (a Unicode normaliser's, a literal `▁`) is read
+    that way, word by word; a tokenizer without a one-byte token for some byte cannot, and is refused too."""
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    pre_tokenizer = tokenizer.backend_tokenizer.pre_tokenizer
+    layout = (
+        f"normalizer: {type(normalizer).__name__ if normalizer else None}, "
+        f"pre-tokenizer: {type(pre_tokenizer).__name__ if pre_tokenizer else None}"
+    )
+    read = bytes_of(_tokenized(PLAIN_PROBE, tokenizer), vocab)
+    if read != PLAIN_PROBE.encode("utf-8"):
+        raise ValueError(
+            f"{whose} tokenizer ({vocab.name}) does not spell text back: {PLAIN_PROBE!r} becomes {read!r} in its "
+            f"tokens ({layout}). Across tokenizers each side reads the other's text in its own tokens, which must "
+            "spell the same bytes; a tokenizer that adds a space before the text (SentencePiece's "
+            "prepend_scheme='first', Llama 2's layout) or rewrites it cannot. Use another teacher, or remove the "
+            "rewriting from the tokenizer and save it with the model (a Metaspace pre-tokenizer's "
+            "prepend_scheme='never', no Prepend normalizer)"
+        )
+    try:
+        read = bytes_of(tokenized_bytes(HARD_PROBE.encode("utf-8"), tokenizer, one_byte_tokens(vocab), vocab), vocab)
+    except KeyError as error:
+        read = f"no one-byte token for {error.args[0]!r}"
+    if read != HARD_PROBE.encode("utf-8"):
+        raise ValueError(
+            f"{whose} tokenizer ({vocab.name}) cannot spell {HARD_PROBE!r} in its tokens ({read!r}; {layout}): a "
+            "word it rewrites is read as its one-byte tokens, and it lacks some. Use a byte-level or byte-fallback "
+            "tokenizer with a token for every byte"
+        )
+
+
+def refuse_unmapped_ends(student_vocab, teacher_vocab, tokenizer_eos: int | None, end_ids) -> None:
+    """Refuse a student end token (`end_ids`: its tokenizer's eos, `tokenizer_eos`, and its generation config's) with
+    no counterpart by role among the teacher's: the teacher could not read it, nor stop where the student stops."""
+    specials = special_token_map(student_vocab, teacher_vocab)
+    for token_id in end_ids:
+        if token_id in specials:
+            continue
+        message = unmapped_special_message(student_vocab, teacher_vocab, token_id)
+        if token_id != tokenizer_eos:
+            message += (
+                ". It is one of the student's end tokens from its generation config (generation_config.eos_token_id): "
+                "leave it out of them (set the student's `generation_config.eos_token_id` without it, and save it with "
+                "the model or pass the model so changed)"
+            )
+        raise ValueError(message)
 
 
 class ReadsText:
@@ -65,7 +152,14 @@ class ReadsText:
         self.tokenizer, self.student_tokenizer = tokenizer, student_tokenizer
         self.student_vocab = byte_vocabulary(student_tokenizer, "the student's")
         self.teacher_vocab = byte_vocabulary(tokenizer)
+        check_spells_text_back(student_tokenizer, self.student_vocab, "the student's")
+        check_spells_text_back(tokenizer, self.teacher_vocab, "the teacher's")
         self.specials = special_token_map(self.student_vocab, self.teacher_vocab)
+        # The student's ids this teacher cannot read (special tokens of no role the teacher has; the trainer keeps the
+        # student from sampling them, with the rows of its output layer past its tokenizer)
+        self.unreadable_student_ids = [
+            i for i, spelled in enumerate(self.student_vocab.token_bytes) if spelled is None and i not in self.specials
+        ]
         # The student's tokens whose end only the teacher's tokens can say (a digit against numbers kept whole): there
         # the teacher's "its token ends here" is moved onto the student's next token (`alignment.move_teacher_ends`)
         extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
@@ -119,9 +213,9 @@ class ReadsText:
         return self._extensions[token_id]
 
     def _refuse_unmapped_ends(self, eos_token_ids) -> None:
-        for token_id in eos_token_ids:
-            if token_id not in self.specials:
-                raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
+        refuse_unmapped_ends(
+            self.student_vocab, self.teacher_vocab, self.student_tokenizer.eos_token_id, eos_token_ids
+        )
 
     def prompts(self, student_prompts, rows):
         """Each row's prompt in the teacher's tokens: a conversation through the teacher's chat template (with the
@@ -152,16 +246,21 @@ class ReadsText:
         its counterpart of the same role, bytes that are no whole UTF-8 text as the teacher's one-byte tokens."""
         out, text = [], b""
         for token_id in student_ids:
+            if token_id >= len(self.student_vocab):
+                raise ValueError(
+                    f"the student wrote id {token_id}, past its tokenizer's {len(self.student_vocab)} tokens (a "
+                    "padding row of its output layer): no text to read"
+                )
             spelled = self.student_vocab.token_bytes[token_id]
             if spelled is not None:
                 text += spelled
                 continue
-            out += tokenized_bytes(text, self.tokenizer, self.byte_ids)
+            out += tokenized_bytes(text, self.tokenizer, self.byte_ids, self.teacher_vocab)
             text = b""
             if token_id not in self.specials:
                 raise ValueError(unmapped_special_message(self.student_vocab, self.teacher_vocab, token_id))
             out.append(self.specials[token_id])
-        return out + tokenized_bytes(text, self.tokenizer, self.byte_ids)
+        return out + tokenized_bytes(text, self.tokenizer, self.byte_ids, self.teacher_vocab)
 
     def student_continuation(self, teacher_ids: list[int], max_new_tokens: int) -> list[int]:
         """What the teacher wrote (its new tokens, `teacher_ids`) as the student's tokens, at most `max_new_tokens`:
@@ -179,12 +278,14 @@ class ReadsText:
             if token_id not in self.student_specials:
                 self._warn_unreadable(token_id)
                 break
-            out += tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids)
+            out += tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids, self.student_vocab)
             text = b""
             out.append(self.student_specials[token_id])
             if out[-1] in self.student_ends:
                 break
-        return (out + tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids))[:max_new_tokens]
+        return (out + tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids, self.student_vocab))[
+            :max_new_tokens
+        ]
 
     def _warn_unreadable(self, token_id: int) -> None:
         if token_id in self._unreadable_warned:
@@ -222,6 +323,19 @@ class ReadsText:
         if end_logmass is not None:
             values = move_teacher_ends(alignment, values, student_ids, self.movable, end_logmass)
         return values, signal
+
+    def _read_on_every_rank(self, read):
+        """`read()`, the row-dependent part of a call every rank makes as often as the others (respelling the rows, their
+        alignment): when it fails on any rank (a row the teacher cannot read), every rank raises, its own error where
+        it failed, so that none is left waiting for it in a collective."""
+        answer, error = None, None
+        try:
+            answer = read()
+        except (ValueError, KeyError, IndexError) as raised:
+            error = raised
+        what = "a row could not be read in the teacher's tokens"
+        collective.raise_together(self.trainer.accelerator, error, what, ValueError)
+        return answer
 
     def _respelled(self, completions) -> list[list[int]]:
         teacher_completions = [self.respell([int(t) for t in c]) for c in completions]

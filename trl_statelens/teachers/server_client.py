@@ -26,9 +26,12 @@ from requests.adapters import HTTPAdapter
 from transformers import AutoTokenizer
 from trl.generation.vllm_client import VLLMClient
 
-from .vocabulary import token_id_mismatch
+from .vocabulary import padding_allowance, token_id_mismatch
 
 logger = logging.getLogger(__name__)
+
+# Text whose token ids the server's tokenizer and the student's must agree on (words, digits, punctuation, spaces)
+TOKENIZATION_PROBE = "The 12 apples cost $3.50 each.\nHow much are 7?"
 
 SERVE_HINT = (
     "Start the teacher with `vllm serve TEACHER --max-model-len N` (README: 'A teacher served by "
@@ -214,7 +217,10 @@ class TeacherServerClient:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
     def _check_vocabulary(self, student_tokenizer, student_vocab_size: int, teacher_tokenizer) -> None:
-        hint = "Serve a teacher with the student's tokenizer (TRL's GOLDTrainer distils across tokenizers)."
+        hint = (
+            "Serve a teacher with the student's tokenizer; for one of another tokenizer, give its path or hub id "
+            "(teacher_model, with teacher_model_server_url) so that it is read as such (docs/cross-tokenizer.md)."
+        )
         if teacher_tokenizer is not None:
             name = teacher_tokenizer if isinstance(teacher_tokenizer, str) else type(teacher_tokenizer).__name__
             if isinstance(teacher_tokenizer, str):
@@ -222,6 +228,8 @@ class TeacherServerClient:
             mismatch = token_id_mismatch(student_tokenizer, teacher_tokenizer, name)
             if mismatch:
                 raise TeacherServerError(f"{mismatch} {hint}")
+        else:
+            self._check_tokenization(student_tokenizer, student_vocab_size, hint)
         # Score the student's largest id: vLLM refuses ids past the served model's vocabulary. As many log-probs are
         # asked for as training will ask (`top_k`; 0, the actual token's only, needs no --max-logprobs flag), so
         # that vLLM's cap on them is met now rather than at the first step.
@@ -246,7 +254,8 @@ class TeacherServerClient:
                 ) from error
             if "out of vocabulary" in str(error):
                 raise TeacherServerError(
-                    f"the served model {self.model!r} has fewer tokens than the student ({student_vocab_size}): id "
+                    f"the served model {self.model!r} has fewer tokens than the tokenizer it is checked against "
+                    f"({getattr(student_tokenizer, 'name_or_path', '')}, {student_vocab_size} ids): id "
                     f"{student_vocab_size - 1} is out of its vocabulary. {hint}"
                 ) from error
             raise
@@ -256,6 +265,47 @@ class TeacherServerClient:
                 f"the server at {self.base_url} scored the vocabulary probe without the log-prob of its token "
                 f"({scored!r}): is it vLLM? {SERVE_HINT}"
             )
+
+    def _check_tokenization(self, tokenizer, vocab_size: int, hint: str) -> None:
+        """Without the teacher's tokenizer: the server's own tokenization of a probe text (vLLM's `/tokenize`) must be
+        `tokenizer`'s; a server without that endpoint must not score an id clearly past `vocab_size` (more rows than
+        padding of the same tokenizer would add), which says its tokenizer is another."""
+        try:
+            answer = self.client.session.post(
+                f"{self.base_url}/tokenize",
+                json={"model": self.model, "prompt": TOKENIZATION_PROBE, "add_special_tokens": False},
+            ).json()
+            served = answer.get("tokens")
+        except requests.HTTPError as error:
+            if error.response is None or error.response.status_code not in (404, 405):
+                raise TeacherServerError(
+                    f"the server at {self.base_url} failed a tokenization probe: {_server_message(error)}"
+                ) from error
+            served = None
+        except requests.RequestException as error:
+            raise TeacherServerError(
+                f"the server at {self.base_url} failed a tokenization probe: {_server_message(error)}"
+            ) from error
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        if served is not None:
+            expected = tokenizer(TOKENIZATION_PROBE, add_special_tokens=False)["input_ids"]
+            if served != expected:
+                raise TeacherServerError(
+                    f"the served model {self.model!r} tokenizes {TOKENIZATION_PROBE!r} as {served}, and {name} as "
+                    f"{expected}: their tokenizers map text to ids differently, so the server would read these ids "
+                    f"as other text. {hint}"
+                )
+            return
+        beyond = vocab_size + padding_allowance(vocab_size)
+        payload = {"model": self.model, "prompt": [[0, beyond]], "max_tokens": 1, "prompt_logprobs": 0}
+        try:
+            self.client.session.post(f"{self.base_url}/v1/completions", json=payload)
+        except requests.RequestException:
+            return  # refused: the served vocabulary is no larger than padding of the same tokenizer would make it
+        raise TeacherServerError(
+            f"the served model {self.model!r} has an id {beyond}, far past {name}'s {vocab_size}: its tokenizer is most "
+            f"likely another, whose ids mean other text (the server has no /tokenize to compare them). {hint}"
+        )
 
     # ----- requests -----------------------------------------------------------------------------------------------
     def _request(self, what: str, send, *args, **kwargs):
