@@ -12,7 +12,6 @@ from ..answers import STRICT_PATTERN, clean_format
 from ..checks import context_length
 from ..lens.endings import answer_end_position
 from ..teachers.alignment import TeacherSignal
-from ..teachers.vocabulary import read_tokenizer, token_id_mismatch
 from .grpo import rollout_checks
 from .verdicts import Check, graded, skipped
 
@@ -186,19 +185,7 @@ def kl_checks(trainer, teacher_prompts, student_prompts, student_answers, teache
 def alignment_checks(trainer, exact_share: float | None) -> list[Check]:
     teacher = trainer.teacher
     if not teacher.crosses_tokenizers:
-        # A teacher given as a model instance is taken to share the student's ids: the tokenizer saved where it was
-        # loaded from (its `name_or_path`) says whether it does
-        path = getattr(teacher.model, "name_or_path", None) or None
-        saved = read_tokenizer(path)
-        if saved is None:
-            return []
-        mismatch = token_id_mismatch(trainer._tokenizer, saved, path)
-        fix = (
-            f"the teacher was loaded from {path}, whose tokenizer is not the student's ({mismatch}), yet it scores "
-            "the student's token ids as its own: give the teacher as that path, so it is read as a teacher of another "
-            "tokenizer (docs/cross-tokenizer.md)"
-        )
-        return [graded("teacher/same_tokenizer", float(mismatch is None), 0.5, 0.5, fix, higher_is_worse=False)]
+        return []
     vocabularies = [getattr(teacher, "tokenizer", None), trainer._tokenizer]
     same = vocabularies[0] is not None and vocabularies[0].get_vocab() == vocabularies[1].get_vocab()
     return [
