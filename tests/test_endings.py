@@ -147,3 +147,50 @@ def test_after_answer_advantage_is_read_at_the_state_after_the_final_answer(toke
         (True, pytest.approx((teacher_logps[0, states[0]] - logps[0, states[0]]).item())),
         (False, pytest.approx((teacher_logps[1, states[1]] - logps[1, states[1]]).item())),
     ]
+
+
+def opd_config(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=12, learning_rate=1e-3, temperature=1.0,
+    )  # fmt: skip
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+
+
+def test_rollouts_cut_at_the_horizon_count_as_length_limit(tmp_path, student_path, teacher_path, math_dataset):
+    """The `horizon` is the rollouts' real limit: a rollout that holds `horizon` tokens without an end was cut there,
+    in `ends/*` (as TRL's `completions/clipped_ratio` says) and in the ledger's `end`."""
+    probes = StateLoggingCallback(sample_rate=1.0)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path), args=opd_config(tmp_path, horizon=3),
+        train_dataset=math_dataset.select(range(8)), callbacks=[probes],
+    )  # fmt: skip
+    trainer.train()
+    (line,) = read_jsonl(tmp_path / "statelens" / "steps.jsonl")
+    (clipped,) = [
+        e["completions/clipped_ratio"] for e in trainer.state.log_history if "completions/clipped_ratio" in e
+    ]
+    assert clipped > 0 and line["ends/length_limit"] == pytest.approx(clipped) and line["ends/stop"] == 0.0
+    samples = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+    assert samples and all(len(s["tokens"]) <= 3 for s in samples)
+    assert all(s["end"] == "length_limit" for s in samples if s["end"] != "end_token")
+
+
+def test_ledger_continuations_end_at_the_continuation_length(
+    tmp_path, student_path, teacher_path, math_dataset, tokenizer
+):
+    """A `continuation` row's ledger sequence is the teacher's continuation: cut at `continuation_length`, not
+    stopped short of `max_completion_length`."""
+    probes = StateLoggingCallback(sample_rate=1.0)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, signal="continuation", continuation_length=3), train_dataset=math_dataset.select(range(8)),
+        callbacks=[probes],
+    )  # fmt: skip
+    trainer.train()
+    samples = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+    assert samples and any(s["end"] == "length_limit" for s in samples)
+    for sample in samples:
+        tokens = sample["tokens"]
+        cut = "length_limit" if len(tokens) == 3 else "stop"
+        assert len(tokens) <= 3 and sample["end"] == ("end_token" if tokens[-1] == tokenizer.eos_token else cut)
