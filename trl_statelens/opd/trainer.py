@@ -35,7 +35,7 @@ from ..teachers import (
 )
 from ..trainers.grpo import StateLensGRPOTrainer
 from .cache import TeacherCache
-from .checks import check_datasets, check_teacher_settings_are_read
+from .checks import check_datasets, check_teacher_prompt_lengths, check_teacher_settings_are_read
 from .config import MIX_SOURCES, OnPolicyDistillConfig
 from .loss import LossMixin
 from .rollouts import LEARNER, RolloutBatch, RolloutsMixin, no_reward
@@ -239,6 +239,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                 "the student's tokenizer reads its prompt tokens as they are, so the setting is never read. Leave it "
                 "False"
             )
+        check_teacher_prompt_lengths(self)  # a self teacher checked its own before its copy was made
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
         # served teacher, several teachers)
         self.teacher_model = self.teacher.model
