@@ -142,13 +142,12 @@ class RolloutsMixin:
         swap = [i for i, s in enumerate(batch.sources) if s != "learner"]
         teacher_rows = [i for i in swap if batch.sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
-        rollouts = self.teacher.generate(
-            [teacher_prompts[i] for i in teacher_rows],
-            length,
-            teachers=[batch.teachers[i] for i in teacher_rows],
-        )
+        writers = [batch.teachers[i] for i in teacher_rows]
+        own_written = self._own_tokens_written()
+        rollouts = self.teacher.generate([teacher_prompts[i] for i in teacher_rows], length, teachers=writers)
+        own_written = self._own_tokens_written() - own_written
         self._count_teacher_tokens(rollouts)
-        self._count_teacher_generation([teacher_prompts[i] for i in teacher_rows], rollouts)
+        self._count_teacher_generation([teacher_prompts[i] for i in teacher_rows], rollouts, writers, own_written)
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:
