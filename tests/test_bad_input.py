@@ -507,3 +507,46 @@ def test_self_teacher_prompt_longer_than_the_context(tmp_path, math_trained_path
                                train_dataset=rows.add_column("privileged_context", rows["completion"]))  # fmt: skip
     fits = rows.add_column("privileged_context", rows["completion"])
     OnPolicyDistillTrainer(model=str(math_trained_path), args=args, train_dataset=fits, state_logging=False)
+
+
+def test_separate_teacher_prompt_with_its_context_longer_than_the_teachers_context(
+    tmp_path, student_path, teacher_path, math_dataset, tokenizer
+):
+    """With `teacher_reads_context`, a separate teacher reads each row's privileged context before its prompt: checked
+    against the teacher's context as a self teacher's prompts are, before training."""
+    from trl_statelens import OnPolicyDistillTrainer
+
+    rows = math_dataset.select(range(4))
+    long_context = "Ava has 3 apples. " * 120
+    assert len(tokenizer(long_context).input_ids) > 512  # the `test`-size models' max_position_embeddings
+    data = rows.add_column("privileged_context", [*rows["completion"][:2], long_context, rows["completion"][3]])
+    args = opd_config(tmp_path, teacher_reads_context=True)
+    with pytest.raises(
+        ValueError, match="1 teacher prompt\\(s\\) do not fit the teacher's context of 512 .*row 2.*privileged_context"
+    ):
+        OnPolicyDistillTrainer(model=str(student_path), teacher_model=str(teacher_path), args=args, train_dataset=data)
+    fits = rows.add_column("privileged_context", rows["completion"])
+    OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path), args=args, train_dataset=fits, state_logging=False
+    )
+
+
+def test_cross_tokenizer_teacher_prompt_longer_than_the_teachers_context(
+    tmp_path, student_path, other_teacher_path, math_dataset
+):
+    """A teacher of another tokenizer reads each prompt in its own tokens (and chat template), against its own
+    context: a prompt that fits the student's can overrun the teacher's, refused before training."""
+    import shutil
+
+    from trl_statelens import OnPolicyDistillTrainer
+
+    short = tmp_path / "short_teacher"
+    shutil.copytree(other_teacher_path, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 32  # shorter than the lab's prompts in its tokens
+    (short / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="teacher prompt\\(s\\) do not fit the teacher's context of 32 .*own tokens"):
+        OnPolicyDistillTrainer(
+            model=str(student_path), teacher_model=str(short), args=opd_config(tmp_path),
+            train_dataset=math_dataset.select(range(4)),
+        )  # fmt: skip

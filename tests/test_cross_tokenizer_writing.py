@@ -49,7 +49,8 @@ def end_likelier(model, end_id: int, boost: float = 5.0):
 def check_read_back(teacher, student_tokenizer, prompts, prefixes, sequences, teacher_rows, written, max_new_tokens):
     """What the teacher read (`sequences`: its prompt and the student's prefix in its tokens), what it wrote
     (`teacher_rows`, its own tokens) and what the student received (`written`), row by row: the same prefix text, the
-    same continuation text (a prefix of it where the student's tokens were cut at `max_new_tokens`), the student's
+    same continuation text (a prefix of it where the student's tokens of a text the teacher did not end were cut at
+    `max_new_tokens`), the student's
     tokenizer's tokens of that text, and the student's end token where the teacher wrote its own. Returns how many
     rows were respelled to other ids, ended, and were cut."""
     student_vocab, teacher_vocab = teacher.student_vocab, teacher.teacher_vocab
@@ -61,16 +62,16 @@ def check_read_back(teacher, student_tokenizer, prompts, prefixes, sequences, te
         respelled += sequence[len(prompt) :] != prefix
         ends = [j for j, token in enumerate(row) if token in teacher.teacher_ends]
         text = spelled(teacher_vocab, row[: ends[0]] if ends else row)
-        assert len(continuation) <= max_new_tokens
         received = spelled(student_vocab, continuation)
-        if continuation and continuation[-1] in teacher.student_ends:  # the teacher ended its text here
+        if continuation and continuation[-1] in teacher.student_ends:  # the teacher ended its text here: kept whole
             assert ends and received == text
             assert continuation[-1] == teacher.student_specials[row[ends[0]]]
             ended += 1
         elif len(continuation) < max_new_tokens:  # the teacher's whole text, which it did not end
+            assert len(continuation) <= max_new_tokens
             assert not ends and received == text
         else:  # cut to `max_new_tokens` of the student's tokens
-            assert text.startswith(received)
+            assert len(continuation) == max_new_tokens and text.startswith(received)
             cut += received != text
         body = [t for t in continuation if t not in teacher.student_ends]
         if all(student_vocab.token_bytes[t] is not None for t in body):
@@ -299,3 +300,43 @@ def test_routed_teachers_of_two_tokenizers_write_on_two_ranks(
     assert any({*ranks[0]["teachers"][s]} != {*ranks[1]["teachers"][s]} for s in range(2))
     logged = [e for e in ranks[0]["log_history"] if "loss" in e]
     assert len(logged) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in logged)
+
+
+def test_a_teacher_of_another_tokenizer_keeps_its_end_and_counts_its_own_tokens_written(
+    tmp_path, student_path, other_teacher_path, math_dataset, tokenizer, monkeypatch
+):
+    """The teacher keeps numbers whole, the student writes one digit a token: an answer the teacher ended within its
+    `max_new_tokens` tokens takes the student more, and keeps its end token (cut to `max_new_tokens` student tokens
+    it would train as unfinished); one it did not end is cut there. The ledger's `teacher_written_tokens` counts the
+    tokens the teacher wrote `teacher` states in, its own, not the student's they were given back as."""
+    args = opd_config(
+        tmp_path, signal="reverse_kl", state_source_mix={"learner": 0.5, "teacher": 0.5}, per_device_train_batch_size=8
+    )
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(other_teacher_path), args=args, train_dataset=math_dataset
+    )
+    teacher = trainer.teacher
+    end = teacher.tokenizer.eos_token_id
+    answer = " 3 + 4 = 7\n#### 1234567"
+    written = teacher.tokenizer(answer, add_special_tokens=False)["input_ids"] + [end]
+    received = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    assert len(received) + 1 > len(written)  # more tokens for the student
+    assert teacher.student_continuation(written, len(written)) == received + [teacher.student_specials[end]]
+    assert teacher.student_continuation(written[:-1], len(written)) == received[: len(written)]  # not ended: cut
+
+    end_likelier(trainer.accelerator.unwrap_model(teacher.model), end, boost=3.0)  # texts it ends, counted apart
+    recorded, write = [], teacher._written
+    monkeypatch.setattr(teacher, "_written", lambda *a: recorded.append(write(*a)) or recorded[-1])
+    given_back, generate = [], teacher.generate
+    monkeypatch.setattr(teacher, "generate", lambda *a, **k: given_back.append(generate(*a, **k)) or given_back[-1])
+    trainer.train()
+    (line,) = [json.loads(x) for x in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+
+    def own(row):  # the teacher's tokens up to its first end
+        ends = [j for j, token in enumerate(row) if token in teacher.teacher_ends]
+        return ends[0] + 1 if ends else len(row)
+
+    own_tokens = sum(own(row) for rows in recorded for row in rows)
+    student_tokens = sum(len(row) for rows in given_back for row in rows)
+    assert own_tokens and own_tokens != student_tokens
+    assert line["teacher_written_tokens"] == own_tokens

@@ -147,3 +147,120 @@ def test_after_answer_advantage_is_read_at_the_state_after_the_final_answer(toke
         (True, pytest.approx((teacher_logps[0, states[0]] - logps[0, states[0]]).item())),
         (False, pytest.approx((teacher_logps[1, states[1]] - logps[1, states[1]]).item())),
     ]
+
+
+def opd_config(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=12, learning_rate=1e-3, temperature=1.0,
+    )  # fmt: skip
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
+
+
+def test_rollouts_cut_at_the_horizon_count_as_length_limit(tmp_path, student_path, teacher_path, math_dataset):
+    """The `horizon` is the rollouts' real limit: a rollout that holds `horizon` tokens without an end was cut there,
+    in `ends/*` (as TRL's `completions/clipped_ratio` says) and in the ledger's `end`."""
+    probes = StateLoggingCallback(sample_rate=1.0)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path), args=opd_config(tmp_path, horizon=3),
+        train_dataset=math_dataset.select(range(8)), callbacks=[probes],
+    )  # fmt: skip
+    trainer.train()
+    (line,) = read_jsonl(tmp_path / "statelens" / "steps.jsonl")
+    (clipped,) = [
+        e["completions/clipped_ratio"] for e in trainer.state.log_history if "completions/clipped_ratio" in e
+    ]
+    assert clipped > 0 and line["ends/length_limit"] == pytest.approx(clipped) and line["ends/stop"] == 0.0
+    samples = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+    assert samples and all(len(s["tokens"]) <= 3 for s in samples)
+    assert all(s["end"] == "length_limit" for s in samples if s["end"] != "end_token")
+
+
+def test_ledger_continuations_end_at_the_continuation_length(
+    tmp_path, student_path, teacher_path, math_dataset, tokenizer
+):
+    """A `continuation` row's ledger sequence is the teacher's continuation: cut at `continuation_length`, not
+    stopped short of `max_completion_length`."""
+    probes = StateLoggingCallback(sample_rate=1.0)
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path), teacher_model=str(teacher_path),
+        args=opd_config(tmp_path, signal="continuation", continuation_length=3), train_dataset=math_dataset.select(range(8)),
+        callbacks=[probes],
+    )  # fmt: skip
+    trainer.train()
+    samples = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+    assert samples and any(s["end"] == "length_limit" for s in samples)
+    for sample in samples:
+        tokens = sample["tokens"]
+        cut = "length_limit" if len(tokens) == 3 else "stop"
+        assert len(tokens) <= 3 and sample["end"] == ("end_token" if tokens[-1] == tokenizer.eos_token else cut)
+
+
+def test_end_metrics_cover_every_micro_batch_when_a_generation_spans_two_steps(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset, tokenizer
+):
+    """`steps_per_generation` = 2 x `gradient_accumulation_steps`: step 1 samples the rollouts of both steps and trains
+    on half of them, step 2 on the other half. `ends/after_answer` is the share of all of them that write `#### N`,
+    and each step's `teacher_end/*` are over its own micro-batches, recomputed here from the ledger (every sequence
+    sampled: the teacher's and the student's log-prob of each token)."""
+    args = opd_config(tmp_path, max_steps=2, signal="divergence", steps_per_generation=2, max_completion_length=48)
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), teacher_model=str(math_teacher_path), args=args, train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )  # fmt: skip
+    trainer.train()
+    steps = read_jsonl(tmp_path / "statelens" / "steps.jsonl")
+    samples = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+    assert len(samples) == 8 and {s["step"] for s in samples} == {1, 2}  # 4 a step, all of them
+    answered = [answer_end_position(s["tokens"]) for s in samples]
+    assert any(answered), "no rollout writes #### N: the test no longer reads the state after the answer"
+    assert steps[0]["ends/after_answer"] == pytest.approx(sum(a is not None for a in answered) / len(samples))
+    assert "ends/after_answer" not in steps[1]  # step 2 samples nothing
+    for line in steps:
+        mine = [(s, a) for s, a in zip(samples, answered) if s["step"] == line["step"]]
+        at_ends = [t for s, _ in mine for tok, t in zip(s["tokens"], s["teacher_logp"]) if tok == tokenizer.eos_token]
+        if at_ends:
+            assert line["teacher_end/logp_at_student_ends"] == pytest.approx(sum(at_ends) / len(at_ends), abs=1e-5)
+        else:
+            assert "teacher_end/logp_at_student_ends" not in line
+        for name, ended in (("end", True), ("go_on", False)):
+            advantages = [
+                s["teacher_logp"][a] - s["logp"][a]
+                for s, a in mine
+                if a is not None and a < len(s["tokens"]) and (s["tokens"][a] == tokenizer.eos_token) == ended
+            ]
+            key = f"teacher_end/advantage_after_answer_{name}"
+            assert line.get(key) == (
+                pytest.approx(sum(advantages) / len(advantages), abs=1e-5) if advantages else None
+            )
+    assert any(k.startswith("teacher_end/advantage_after_answer") for line in steps for k in line)
+    assert any(k.startswith("teacher_end/") for k in steps[1])
+
+
+def test_teacher_end_metrics_read_only_the_states_the_student_sampled(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset, tokenizer
+):
+    """With `teacher` states in the mix, the teacher's log-prob of its own end tokens (high: it wrote them) is not the
+    teacher's view of the student's ends: `teacher_end/logp_at_student_ends` reads the `learner` rows only."""
+    args = opd_config(tmp_path, state_source_mix={"learner": 0.5, "teacher": 0.5}, max_completion_length=48)
+    args.per_device_train_batch_size = 16
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path), teacher_model=str(math_teacher_path), args=args, train_dataset=math_dataset,
+        callbacks=[StateLoggingCallback(sample_rate=1.0)],
+    )  # fmt: skip
+    trainer.train()
+    (line,) = read_jsonl(tmp_path / "statelens" / "steps.jsonl")
+    samples = read_jsonl(tmp_path / "statelens" / "states.jsonl")
+
+    def at_ends(source):
+        return [
+            t
+            for s in samples
+            if s["source"] == source
+            for token, t in zip(s["tokens"], s["teacher_logp"])
+            if token == tokenizer.eos_token
+        ]
+
+    learner, teacher = at_ends("learner"), at_ends("teacher")
+    assert learner and teacher, "the test needs ends in both kinds of rows"
+    assert line["teacher_end/logp_at_student_ends"] == pytest.approx(sum(learner) / len(learner), abs=1e-5)

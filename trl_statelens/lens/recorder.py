@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import collective
 from ..answers import repeats_itself
-from .endings import end_kinds, end_token_ids
+from .endings import END_KINDS
 from .records import SELECTION_FIELDS, STATE_SOURCES, StateRecords, source_code
 from .step_counts import StepCounts
 
@@ -46,6 +46,7 @@ class _MicroBatchStates:
     )
     selection: torch.Tensor | None = None  # (B,) each row's state-selection code, with state selection
     teacher_exact: torch.Tensor | None = None  # (B, L) a teacher of another tokenizer: whose log-prob is exact
+    end_kinds: torch.Tensor | None = None  # (B,) how each row's completion ended, an index into END_KINDS
 
 
 class StateRecorderMixin:
@@ -76,16 +77,15 @@ class StateRecorderMixin:
         """`ends/*`: how this step's rollouts ended (`lens.endings`); trainers that sample no rollouts have none."""
         return {}
 
-    def _sample_ending(self, completion_ids: torch.Tensor) -> dict:
-        """A ledger sequence's end (`lens.endings.END_KINDS`) and whether it repeats itself, for trainers that sample
-        their completions (a `max_completion_length`); nothing for SFT's dataset states."""
-        limit = getattr(getattr(self, "args", None), "max_completion_length", None)
-        if limit is None or not len(completion_ids):
+    def _sample_ending(self, completion_ids: torch.Tensor, end_kind: int | None) -> dict:
+        """A ledger sequence's end (`lens.endings.END_KINDS`, as the trainer that sampled it judged it against the
+        row's real limit) and whether it repeats itself; nothing for sequences nobody sampled (SFT's dataset
+        states)."""
+        if end_kind is None or not len(completion_ids):
             return {}
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        kind = end_kinds(completion_ids[None], end_token_ids(tokenizer, getattr(self, "model", None)), limit)
         text = tokenizer.decode(completion_ids, skip_special_tokens=True)
-        return {"end": kind[0], "repeats": repeats_itself(text)}
+        return {"end": END_KINDS[end_kind], "repeats": repeats_itself(text)}
 
     def _start_state_recording(self) -> None:
         self._state_buffer = []
@@ -112,6 +112,7 @@ class StateRecorderMixin:
         teacher_prompts: list[list[int]] | None = None,
         selection: torch.Tensor | None = None,
         teacher_exact: torch.Tensor | None = None,
+        end_kinds: torch.Tensor | None = None,
     ) -> None:
         """Record the supervised states of one micro-batch.
 
@@ -145,6 +146,9 @@ class StateRecorderMixin:
             selection (`torch.Tensor` of shape `(B,)`, *optional*): each row's state-selection code
                 (`selection.SCORED`, `SKIPPED`, `RECHECKED`); a skipped row's tokens are passed in `supervised_mask`
                 to be recorded, and are left out of the supervised-token metrics.
+            end_kinds (`torch.Tensor` of shape `(B,)`, *optional*): for sampled completions, how each row's ended (an
+                index into `lens.endings.END_KINDS`), judged when it was sampled, against its real limit: the
+                ledger's sampled sequences carry it as `end`.
         """
         if self._state_buffer is None:
             return
@@ -234,6 +238,7 @@ class StateRecorderMixin:
                 teacher_prompts=teacher_prompts,
                 selection=None if selection is None else selection.detach(),
                 teacher_exact=None if teacher_exact is None else teacher_exact.detach().bool(),
+                end_kinds=None if end_kinds is None else end_kinds.detach(),
             )
         )
         self._state_sequences_in_step += num_sequences
@@ -347,7 +352,9 @@ class StateRecorderMixin:
                             ].tolist()
                         }
                     ),
-                    **self._sample_ending(completion_ids),
+                    **self._sample_ending(
+                        completion_ids, None if part.end_kinds is None else int(part.end_kinds[row])
+                    ),
                 }
             )
         return samples

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
-from ..checks import check_train_dataset
+from ..checks import check_train_dataset, context_length
 from ..teachers import check_before_loading
 from .config import OnPolicyDistillConfig
 
@@ -206,3 +206,51 @@ def refuse_reading_student_text(args, crosses: list[bool | None]) -> None:
             "the student's tokenizer reads its prompt tokens as they are, so the setting is never read. Leave it "
             "False"
         )
+
+
+def check_teacher_prompt_lengths(trainer) -> None:
+    """Each row's teacher prompt, where it is not the student's (the row's privileged context with
+    `teacher_reads_context`; a teacher of another tokenizer's own chat template and tokens), plus the tokens written
+    after it (`max_completion_length`, and `continuation_length` for continuations) fits that teacher's context, in
+    the training and evaluation data, before training: the prompts are made as the rollouts make them
+    (`_teacher_prompts`). A teacher of another tokenizer reads the completion in its own tokens, as many as the
+    student's or not: counted as the student's. A self teacher checks its own prompts (`SelfTeacher`); a served
+    teacher's context is not known here, nor an `IterableDataset`'s rows."""
+    args, teacher = trainer.args, trainer.teacher
+    if args.teacher_model_kind is not None or not (args.teacher_reads_context or teacher.crosses_tokenizers):
+        return
+    routed = getattr(teacher, "teachers", None)  # several teachers: each row's is the one it names
+    after = trainer._tokens_after_prompt()
+    splits = {"train_dataset": trainer.train_dataset}
+    if isinstance(trainer.eval_dataset, dict):
+        splits.update({f"eval_dataset[{name!r}]": data for name, data in trainer.eval_dataset.items()})
+    else:
+        splits["eval_dataset"] = trainer.eval_dataset
+    for what, dataset in splits.items():
+        if dataset is None or not hasattr(dataset, "__len__"):
+            continue
+        columns = [c for c in ("prompt", "privileged_context", "teacher_id") if c in dataset.column_names]
+        rows = [dict(zip(columns, values)) for values in zip(*(dataset[c] for c in columns))]
+        student_prompts = [list(ids) for ids in trainer._tokenize_prompts([row["prompt"] for row in rows])[0]]
+        prompts = trainer._teacher_prompts(student_prompts, rows)
+        if routed is None:
+            contexts = [context_length(teacher.model)] * len(rows)
+        else:
+            names = teacher.route([row.get("teacher_id") for row in rows])
+            contexts = [context_length(routed[name].model) for name in names]
+        too_long = [i for i, (p, c) in enumerate(zip(prompts, contexts)) if c is not None and len(p) + after > c]
+        if too_long:
+            first = too_long[0]
+            reads = (
+                "the row's prompt with its privileged_context (teacher_reads_context): shorten those contexts or drop "
+                "those rows"
+                if args.teacher_reads_context
+                else "the prompt in its own tokens and chat template (a teacher of another tokenizer): shorten or "
+                "drop those prompts"
+            )
+            raise ValueError(
+                f"{what}: {len(too_long)} teacher prompt(s) do not fit the teacher's context of {contexts[first]} "
+                f"tokens with {after} tokens after them (max_completion_length, plus continuation_length for "
+                f"continuations; the first, row {first}, has {len(prompts[first])} tokens). The teacher reads {reads}, "
+                "use a teacher with a longer context, or generate fewer tokens."
+            )

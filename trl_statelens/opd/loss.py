@@ -199,11 +199,14 @@ class LossMixin:
         )
         if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
             # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
+            # (the states the student sampled: a `teacher` state's end is the teacher's own, a `dataset` one's the
+            # reference's)
             ends = torch.isin(completion_ids, torch.tensor(self._end_ids, device=completion_ids.device))
-            at_ends = teacher_logps.detach()[ends & scored & loss_mask.bool()]
+            sampled = scored & loss_mask.bool() & (token_source == LEARNER)
+            at_ends = teacher_logps.detach()[ends & sampled]
             self._teacher_end_logps += at_ends[torch.isfinite(at_ends)].tolist()
             self._advantages_after_answer += after_answer_advantages(
-                self._tokenizer, completion_ids, scored & loss_mask.bool(), ends, compared_logps, teacher_logps
+                self._tokenizer, completion_ids, sampled, ends, compared_logps, teacher_logps
             )
         if signal is not None:  # the records keep per-token values: each chunk's log-ratio shared out over its tokens
             teacher_logps = shared_out_over_chunks(teacher_logps, logps.detach(), signal)
@@ -232,6 +235,7 @@ class LossMixin:
                 teacher_prompts=inputs["teacher_prompt_ids"] if self.teacher.reads_own_prompts else None,
                 selection=selection,
                 teacher_exact=None if signal is None else align((signal == TeacherSignal.EXACT).float()),
+                end_kinds=inputs.get("end_kind"),
             )
         return loss
 

@@ -12,6 +12,7 @@ import torch
 from trl.trainer.utils import pad
 
 from .. import collective
+from ..lens.endings import END_KINDS
 from ..lens.records import source_code
 from ..teachers.self_teacher import with_context
 from ..teachers.vocabulary import vocab_size
@@ -162,13 +163,12 @@ class RolloutsMixin:
         swap = [i for i, s in enumerate(batch.sources) if s != "learner"]
         teacher_rows = [i for i in swap if batch.sources[i] == "teacher"]
         # Asked on every rank, with or without rows of its own (an in-process teacher's generation is collective)
-        rollouts = self.teacher.generate(
-            [teacher_prompts[i] for i in teacher_rows],
-            length,
-            teachers=[batch.teachers[i] for i in teacher_rows],
-        )
+        writers = [batch.teachers[i] for i in teacher_rows]
+        own_written = self._own_tokens_written()
+        rollouts = self.teacher.generate([teacher_prompts[i] for i in teacher_rows], length, teachers=writers)
+        own_written = self._own_tokens_written() - own_written
         self._count_teacher_tokens(rollouts)
-        self._count_teacher_generation([teacher_prompts[i] for i in teacher_rows], rollouts)
+        self._count_teacher_generation([teacher_prompts[i] for i in teacher_rows], rollouts, writers, own_written)
         replacement = dict(zip(teacher_rows, rollouts))
         if swap:
             for i in swap:
@@ -219,6 +219,11 @@ class RolloutsMixin:
         self._rollout_length = length
         return length
 
+    def _rollout_limit(self) -> int:
+        """This generation batch's rollout length (`_set_rollout_length`): a rollout cut at the `horizon` is cut at its
+        length limit."""
+        return self._rollout_length
+
     def _continue_with_teacher(self, output: dict) -> dict:
         """Cut each rollout at a uniformly drawn prefix length and append a teacher continuation from there. A rollout
         GRPO masked whole (truncated, with `mask_truncated_completions`) is neither cut nor continued: it supervises
@@ -239,8 +244,17 @@ class RolloutsMixin:
             prefixes=[prefixes[i] for i in kept],
             teachers=[output["teacher"][i] for i in kept],
         )
+        ends = output["end_kind"].tolist()  # the ledger's sequence of a continued row is the teacher's continuation
         for i, continuation in zip(kept, written):
             continuations[i] = continuation
+            ends[i] = END_KINDS.index(
+                "end_token"
+                if continuation and continuation[-1] in self.eos_token_ids
+                else "length_limit"
+                if len(continuation) >= self.args.continuation_length
+                else "stop"
+            )
+        output["end_kind"] = torch.tensor(ends, device=output["end_kind"].device)
         self._count_teacher_tokens(written)
 
         device = completion_ids.device

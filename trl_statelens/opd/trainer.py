@@ -35,7 +35,13 @@ from ..teachers import (
 )
 from ..trainers.grpo import StateLensGRPOTrainer
 from .cache import TeacherCache
-from .checks import check_datasets, check_teacher_settings_are_read, refuse_reading_student_text, teacher_checks
+from .checks import (
+    check_datasets,
+    check_teacher_prompt_lengths,
+    check_teacher_settings_are_read,
+    refuse_reading_student_text,
+    teacher_checks,
+)
 from .config import MIX_SOURCES, OnPolicyDistillConfig
 from .loss import LossMixin
 from .rollouts import LEARNER, RolloutBatch, RolloutsMixin, no_reward
@@ -252,6 +258,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         if not self.teacher.crosses_tokenizers:
             refuse_reading_student_text(args, [False])
         self._suppress_unreadable_ids()
+        check_teacher_prompt_lengths(self)  # a self teacher checked its own before its copy was made
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a
         # served teacher, several teachers)
         self.teacher_model = self.teacher.model
@@ -385,10 +392,28 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             )
         return trace
 
-    def _count_teacher_generation(self, prompts: list[list[int]], rollouts: list[list[int]]) -> None:
+    def _teachers_by_name(self) -> dict:
+        """Each teacher by the name `Teacher.route` gives its rows (`None` for a single teacher)."""
+        return getattr(self.teacher, "teachers", None) or {None: self.teacher}
+
+    def _own_tokens_written(self) -> int:
+        """The tokens the teachers of another tokenizer have written so far, in their own tokens
+        (`ReadsText.own_tokens_written`)."""
+        return sum(getattr(teacher, "own_tokens_written", 0) for teacher in self._teachers_by_name().values())
+
+    def _count_teacher_generation(
+        self, prompts: list[list[int]], rollouts: list[list[int]], teachers: list, own_written: int
+    ) -> None:
         """Count the teacher's writing of this rank's `teacher` states (its own rows: a stand-in generation that only
-        joins the other ranks' is never passed) for the step's FLOPs: its forward over each rollout's prompt and the
-        tokens it wrote (`TEACHER_GENERATION_COUNTS`). Training only."""
+        joins the other ranks' is never passed) for the step's FLOPs: its forward over each rollout's prompt (its own
+        tokens) and the tokens it wrote (`TEACHER_GENERATION_COUNTS`), in its own tokens too: a teacher of another
+        tokenizer's are `own_written` (what its forwards ran over), not the student's tokens it gave them back as;
+        the others' are the rollouts'. `teachers`: each rollout's teacher's name. Training only."""
         if self.model.training:
-            prompt_tokens, written = sum(len(p) for p in prompts), sum(len(r) for r in rollouts)
-            self.step_counts.add(teacher_generation_prompt_tokens=prompt_tokens, teacher_written_tokens=written)
+            by_name = self._teachers_by_name()
+            written = own_written + sum(
+                len(r) for r, name in zip(rollouts, teachers) if not by_name[name].crosses_tokenizers
+            )
+            self.step_counts.add(
+                teacher_generation_prompt_tokens=sum(len(p) for p in prompts), teacher_written_tokens=written
+            )

@@ -193,6 +193,7 @@ class ReadsText:
             | {t for t, s in self.student_specials.items() if s in self.student_ends}
         )
         self._unreadable_warned = set()
+        self.own_tokens_written = 0  # the tokens it has written, in its own tokens (`student_continuation`)
 
     def extensions(self, token_id: int) -> torch.Tensor:
         """The teacher tokens whose bytes start with `token_id`'s (itself included; itself only for a special token)."""
@@ -263,14 +264,19 @@ class ReadsText:
         return out + tokenized_bytes(text, self.tokenizer, self.byte_ids, self.teacher_vocab)
 
     def student_continuation(self, teacher_ids: list[int], max_new_tokens: int) -> list[int]:
-        """What the teacher wrote (its new tokens, `teacher_ids`) as the student's tokens, at most `max_new_tokens`:
-        each run of its text spelled in bytes and tokenized by the student's tokenizer, each special token as the
-        student's of the same role, ending after the first student end token. A token with no student counterpart (a
-        special token of no role the student has, an id the teacher's tokenizer has no token at) ends the text before
-        it, with a warning: the student cannot read it, and what follows was written after it. (An in-process teacher
-        is kept from writing those; a served one is not.)"""
+        """What the teacher wrote (its new tokens, `teacher_ids`, at most `max_new_tokens` of them) as the student's
+        tokens: each run of its text spelled in bytes and tokenized by the student's tokenizer, each special token as
+        the student's of the same role, ending after the first student end token. A text the teacher ended is given
+        whole, its end token kept, though it may take the student more than `max_new_tokens` tokens (the teacher
+        ended within its own); one it did not end is cut to `max_new_tokens` of the student's tokens. A token with no
+        student counterpart (a special token of no role the student has, an id the teacher's tokenizer has no token
+        at) ends the text before it, with a warning: the student cannot read it, and what follows was written after
+        it. (An in-process teacher is kept from writing those; a served one is not.) The teacher's own tokens read
+        up to there (what it wrote: the padding after its end left out) are added to `own_tokens_written`."""
         out, text, vocab = [], b"", self.teacher_vocab.token_bytes
+        read = 0
         for token_id in teacher_ids:
+            read += 1
             spelled = vocab[token_id] if token_id < len(vocab) else None
             if spelled is not None:
                 text += spelled
@@ -282,7 +288,9 @@ class ReadsText:
             text = b""
             out.append(self.student_specials[token_id])
             if out[-1] in self.student_ends:
-                break
+                self.own_tokens_written += read
+                return out
+        self.own_tokens_written += read
         return (out + tokenized_bytes(text, self.student_tokenizer, self.student_byte_ids, self.student_vocab))[
             :max_new_tokens
         ]

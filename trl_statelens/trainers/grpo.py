@@ -25,7 +25,7 @@ from ..checks import (
 )
 from ..guards import attach_guards, check_mode
 from ..lens.callback import attach_state_logging
-from ..lens.endings import END_KINDS, end_kinds, end_token_ids
+from ..lens.endings import END_KINDS, answer_end_position, end_kinds
 from ..lens.recorder import StateRecorderMixin
 from ..preflight import attach_preflight, check_preflight_settings
 
@@ -94,7 +94,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         self._rollout_endings: list[tuple[str, str]] = []
         self._teacher_end_logps: list[float] = []
         self._advantages_after_answer: list[tuple[bool, float]] = []  # (ended there, teacher - student log-prob)
-        self._end_ids = end_token_ids(self._tokenizer, self.model)
+        self._end_ids = list(self.eos_token_ids)  # GRPO's own: what its generation stops at
         attach_state_logging(self, state_logging)
         attach_guards(self, guards)
         attach_preflight(self, preflight, preflight_prompts)
@@ -102,6 +102,11 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
     def _tokens_after_prompt(self) -> int:
         """The most tokens a training sequence holds after its prompt: the completion."""
         return self.args.max_completion_length
+
+    def _rollout_limit(self) -> int:
+        """The most tokens this generation batch's rollouts were sampled with: a rollout that holds as many without
+        an end token was cut there."""
+        return self.max_completion_length
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         try:
@@ -129,27 +134,31 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
         # recording, with rewards, and not an evaluation's rollouts
         if self._state_buffer is not None and self._has_rewards and self.model.training:
             self._reward_groups += self._group_rewards(inputs, rewards)
+        # Each rollout's end (an index into END_KINDS), judged here where the rollout's limit is known: it rides
+        # along with the batch to the loss, where the ledger's sequences are recorded
+        completion_ids = output["completion_ids"]
+        kinds = end_kinds(completion_ids, self._end_ids, self._rollout_limit(), self._tokenizer.pad_token_id)
+        output["end_kind"] = torch.tensor([END_KINDS.index(k) for k in kinds], device=completion_ids.device)
         if self._state_buffer is not None and self.model.training:
-            self._rollout_endings += self._endings(output["completion_ids"])
+            texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            self._rollout_endings += list(zip(kinds, texts))
         return output
-
-    def _endings(self, completion_ids: torch.Tensor) -> list[tuple[str, str]]:
-        """Each rollout's end kind (`lens.endings.END_KINDS`) and text."""
-        tokenizer = self._tokenizer
-        kinds = end_kinds(completion_ids, self._end_ids, self.args.max_completion_length, tokenizer.pad_token_id)
-        return list(zip(kinds, tokenizer.batch_decode(completion_ids, skip_special_tokens=True)))
 
     def _collect_rollout_endings(self) -> dict[str, float]:
         """`ends/*` over this step's rollouts on every rank (a collective: every rank calls it): the share ending
-        with the end token, cut at the length limit and stopped short, the share repeating itself, and with a teacher
-        its mean log-prob of the end tokens the student sampled."""
+        with the end token, cut at the length limit and stopped short, the share repeating itself and the share
+        writing a final-answer line; and with a teacher, over the states the student sampled in the step's
+        micro-batches, its mean log-prob of the end tokens there and its advantage right after the answer. A step
+        that samples no rollouts (`steps_per_generation` > `gradient_accumulation_steps`: a later step of the same
+        generation batch) logs no `ends/*`, but its `teacher_end/*` still."""
         endings, self._rollout_endings = self._rollout_endings, []
         teacher, self._teacher_end_logps = self._teacher_end_logps, []
         after, self._advantages_after_answer = self._advantages_after_answer, []
         ending = [advantage for ended, advantage in after if ended]
         going_on = [advantage for ended, advantage in after if not ended]
         counts = [sum(k == kind for k, _ in endings) for kind in END_KINDS] + [
-            sum(repeats_itself(t) for _, t in endings)
+            sum(repeats_itself(t) for _, t in endings),
+            sum(answer_end_position([t]) is not None for _, t in endings),
         ]
         totals = collective.sum_over_ranks(
             self.accelerator,
@@ -167,13 +176,13 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
                 dtype=torch.float64,
             ),
         )
-        if not totals[len(END_KINDS) + 1]:
-            return {}
-        rollouts = totals[len(END_KINDS) + 1]
-        metrics = {f"ends/{kind}": totals[i] / rollouts for i, kind in enumerate(END_KINDS)}
-        metrics["ends/repeats"] = totals[len(END_KINDS)] / rollouts
+        metrics = {}
+        rollouts = totals[len(END_KINDS) + 2]
+        if rollouts:
+            metrics.update({f"ends/{kind}": totals[i] / rollouts for i, kind in enumerate(END_KINDS)})
+            metrics["ends/repeats"] = totals[len(END_KINDS)] / rollouts
+            metrics["ends/after_answer"] = totals[len(END_KINDS) + 1] / rollouts
         after_answer_ending, ended_count, after_answer_going_on, going_on_count, at_ends, ends_count = totals[-6:]
-        metrics["ends/after_answer"] = (ended_count + going_on_count) / rollouts
         if ends_count:
             metrics["teacher_end/logp_at_student_ends"] = at_ends / ends_count
         if ended_count:
@@ -255,6 +264,7 @@ class StateLensGRPOTrainer(StateRecorderMixin, FiniteGradientsMixin, GRPOTrainer
                 attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
                 weights=advantages if advantages.dim() == 1 else align(advantages),
                 rewards=inputs.get("rewards"),
+                end_kinds=inputs.get("end_kind"),
             )
         self._loss_logps_and_entropies = None
         return loss
