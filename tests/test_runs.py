@@ -13,7 +13,7 @@ from vllm_test_server import TestTeacherServer
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
 from trl_statelens.lab import build_model
 from trl_statelens.lab.model import build_qwen3
-from trl_statelens.lens.compute import matmul_parameters
+from trl_statelens.lens.compute import FLOPS_PARTS, matmul_parameters
 from trl_statelens.lens.records import source_code
 from trl_statelens.reports.runs import compute_counts
 
@@ -208,17 +208,22 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         assert line["flops/student_generation"] == pytest.approx(2 * student * tokens)
         assert line["flops/student_training"] == pytest.approx(6 * student * (tokens + cut * supervised))
         if teacher is None:
-            assert line["flops/teacher"] is None and line["flops/total"] is None
-        else:
-            expected = (2 + 2 * cut) * teacher * (tokens + context[step]) + 4 * cut * teacher * supervised
-            expected += 2 * teacher * writing[step]
-            assert line["flops/teacher"] == pytest.approx(expected)
+            assert line["flops/teacher_scoring"] is None and line["flops/teacher_writing"] is None
+            assert line["flops/total"] is None
+        else:  # a continuation is written from each cut state, then scored
+            reads = tokens + context[step]
+            assert line["flops/teacher_scoring"] == pytest.approx(2 * teacher * (reads + cut * supervised))
+            written = cut * (reads + supervised) + writing[step]
+            assert line["flops/teacher_writing"] == pytest.approx(2 * teacher * written)
+            parts = [line[f"flops/{part}"] for part in FLOPS_PARTS]
+            assert line["flops/total"] == pytest.approx(sum(parts))
     counts = compute_counts(trainer)
     assert counts["teacher_tokens"] == by_hand[1] + by_hand[2]
     assert counts["teacher_context_tokens"] == context[1] + context[2]
     for part, value in {**counts["flops_by_part"], "total": counts["flops"]}.items():
         if value is None:  # a served teacher's part, and so the total
-            assert steps[-1][f"flops_total/{part}"] is None and part in ("teacher", "total") and teacher is None
+            assert steps[-1][f"flops_total/{part}"] is None and part.startswith(("teacher", "total"))
+            assert teacher is None
         else:
             assert steps[-1][f"flops_total/{part}"] == pytest.approx(value)
             assert value == pytest.approx(sum(line[f"flops/{part}"] for line in steps))
@@ -250,9 +255,11 @@ def test_teacher_flops_count_the_teacher_states_the_teacher_wrote(tmp_path, stud
     tokens = trainer.state.num_input_tokens_seen
     written = line["teacher_tokens"] - line["supervised_tokens"]  # scored = every completion token here
     assert written > 0  # the teacher wrote rollouts this step
-    assert line["flops/teacher"] >= 2 * n_teacher * (tokens + written), "the teacher's writing is not counted"
+    assert line["flops/teacher_writing"] >= 2 * n_teacher * written, "the teacher's writing is not counted"
     assert (line["teacher_written_tokens"], line["teacher_generation_prompt_tokens"]) == (written, sum(prompts))
-    assert line["flops/teacher"] == pytest.approx(2 * n_teacher * (tokens + written + sum(prompts)))
+    assert line["flops/teacher_writing"] == pytest.approx(2 * n_teacher * (written + sum(prompts)))
+    assert line["flops/teacher_scoring"] == pytest.approx(2 * n_teacher * tokens)
     counts = compute_counts(trainer)  # results.json's count is the ledger's
-    assert counts["flops_by_part"]["teacher"] == pytest.approx(line["flops_total/teacher"])
+    for part in ("teacher_scoring", "teacher_writing"):
+        assert counts["flops_by_part"][part] == pytest.approx(line[f"flops_total/{part}"])
     assert counts["flops"] == pytest.approx(line["flops_total/total"])

@@ -84,11 +84,11 @@ def test_three_steps_share_one_rollout_batch_and_one_teacher_pass(
     for line, tokens in zip(steps, reused):
         if line["refreshed"] is None:
             assert line["flops/student_generation"] == 0
-            assert line["flops/teacher"] == pytest.approx(2 * head * tokens)
+            assert line["flops/teacher_scoring"] == pytest.approx(2 * head * tokens)
             student = matmul_parameters(trainer.model)
             assert line["flops/student_training"] == pytest.approx(6 * student * line["cache_reused_tokens"])
         else:
-            assert line["flops/teacher"] > 2 * head * by_hand[0]
+            assert line["flops/teacher_scoring"] > 2 * head * by_hand[0]
     states = read(tmp_path / "statelens" / "states.jsonl")
     assert {(s["step"], s["from_cache"], s["cache_age"]) for s in states} == {
         (1, False, 0), (2, True, 1), (3, True, 2), (4, False, 0), (5, True, 1), (6, True, 2)
