@@ -196,3 +196,20 @@ def test_the_lens_summary_reads_the_runs_records_first_steps_against_last(tmp_pa
     assert first["kl_by_position"] == {"0-15": pytest.approx(0.25), "16-31": pytest.approx(-0.5)}
     assert second["kl_number"] is None and second["kl_by_position"] == {"64-127": pytest.approx(0.25)}
     assert lens["teacher_context_per_rollout"] == 850 and "drift_last" not in lens
+
+
+def test_honest_flops_replays_the_shared_start_as_the_base_teacher_runs_it():
+    """`honest_flops.py`'s replay: a step's shared start is what every row's prompt begins with (never a whole prompt,
+    none below the self teacher's minimum); the `base` teacher's forward of it runs again only when it changes; the
+    SFT step at a budget is the first whose `flops_total/total` reaches it."""
+    import honest_flops
+
+    start = list(range(100))
+    same = [[*start, 500, 1], [*start, 501, 2]]
+    longer = [[*start, 7, 500], [*start, 7, 501]]  # the rows' questions share a first word: a longer start
+    short = [[1, 2, 3, 4], [1, 2, 3, 5]]  # below SHARED_PREFIX_MIN_TOKENS: no shared forward
+    replay = honest_flops.replay_shared_starts([same, same, longer, same, short])
+    assert replay == [(100, True), (100, False), (101, True), (100, True), (0, False)]
+    ledger = [{"step": s, "flops_total/total": 10.0 * s} for s in range(1, 6)]
+    assert honest_flops.first_step_reaching(ledger, 25.0)["step"] == 3
+    assert honest_flops.first_step_reaching(ledger, 30.0)["step"] == 3

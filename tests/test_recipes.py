@@ -150,7 +150,8 @@ def test_recipe_scores_the_target_during_training(tmp_path, monkeypatch, student
     assert flops.tolist() == [0.0, per_token * logged_tokens[2], per_token * logged_tokens[4], compute["flops"]]
     # the ledger's running count by part ends at results.json's; the teacher's tokens are the ledger's
     assert ledger[-1]["flops_total/total"] == pytest.approx(compute["flops"])
-    assert ledger[-1]["flops_total/teacher"] == compute["flops_by_part"]["teacher"]
+    for part in ("teacher_scoring", "teacher_writing"):
+        assert ledger[-1][f"flops_total/{part}"] == compute["flops_by_part"][part]
     assert compute["teacher_tokens"] == (sum(line["teacher_tokens"] for line in ledger) if recipe == "opd" else None)
     assert scores.tolist() == y.tolist()
     # the report's compute table: the first evaluation reaching start + 0.05 (here, a 4-item score moves by 0.25)

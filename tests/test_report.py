@@ -448,11 +448,12 @@ def test_the_training_cost_table_reads_the_ledgers_teacher_tokens_and_last_flops
     lines = step_lines(2, sources={"learner": 1.0}, teacher=True)
     local, served = ([{**line} for line in lines] for _ in range(2))
     for step, (a, b) in enumerate(zip(local, served), start=1):
-        parts = {"student_generation": 2e6 * step, "student_training": 6e6 * step, "teacher": 4e6 * step}
+        parts = {"student_generation": 2e6 * step, "student_training": 6e6 * step, "teacher_scoring": 3e6 * step,
+                 "teacher_writing": 1e6 * step}  # fmt: skip
         a.update({"teacher_tokens": 100.0 + step, **{f"flops_total/{k}": v for k, v in parts.items()}})
         a["flops_total/total"] = sum(parts.values())
         b.update({"teacher_tokens": 10.0, **{f"flops_total/{k}": v for k, v in parts.items()}})
-        b["flops_total/teacher"] = b["flops_total/total"] = None
+        b["flops_total/teacher_scoring"] = b["flops_total/teacher_writing"] = b["flops_total/total"] = None
     runs = [
         write_run(tmp_path / name, results={**results, "run_name": name}, steps=steps)
         for name, steps in (("local", local), ("served", served), ("plain", lines))
@@ -460,8 +461,8 @@ def test_the_training_cost_table_reads_the_ledgers_teacher_tokens_and_last_flops
     write_report(runs, tmp_path / "report")
     table = (tmp_path / "report" / "report.md").read_text().split("## Training cost")[1].split("\n## ")[0]
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in table.splitlines() if line.startswith("| ")}
-    assert rows["local"] == ["203", "4.00e+06", "1.20e+07", "8.00e+06", "2.40e+07 |"]
-    assert rows["served"] == ["20", "4.00e+06", "1.20e+07", "-", "- |"]
+    assert rows["local"] == ["203", "4.00e+06", "1.20e+07", "6.00e+06", "2.00e+06", "2.40e+07 |"]
+    assert rows["served"] == ["20", "4.00e+06", "1.20e+07", "-", "-", "- |"]
     assert "plain" not in rows
 
 

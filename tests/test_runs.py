@@ -13,7 +13,7 @@ from vllm_test_server import TestTeacherServer
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
 from trl_statelens.lab import build_model
 from trl_statelens.lab.model import build_qwen3
-from trl_statelens.lens.compute import matmul_parameters
+from trl_statelens.lens.compute import FLOPS_PARTS, ComputeCounter, matmul_parameters
 from trl_statelens.lens.records import source_code
 from trl_statelens.reports.runs import compute_counts
 
@@ -208,17 +208,22 @@ def test_teacher_tokens_and_flops_by_part_match_a_hand_count(
         assert line["flops/student_generation"] == pytest.approx(2 * student * tokens)
         assert line["flops/student_training"] == pytest.approx(6 * student * (tokens + cut * supervised))
         if teacher is None:
-            assert line["flops/teacher"] is None and line["flops/total"] is None
-        else:
-            expected = (2 + 2 * cut) * teacher * (tokens + context[step]) + 4 * cut * teacher * supervised
-            expected += 2 * teacher * writing[step]
-            assert line["flops/teacher"] == pytest.approx(expected)
+            assert line["flops/teacher_scoring"] is None and line["flops/teacher_writing"] is None
+            assert line["flops/total"] is None
+        else:  # a continuation is written from each cut state, then scored
+            reads = tokens + context[step]
+            assert line["flops/teacher_scoring"] == pytest.approx(2 * teacher * (reads + cut * supervised))
+            written = cut * (reads + supervised) + writing[step]
+            assert line["flops/teacher_writing"] == pytest.approx(2 * teacher * written)
+            parts = [line[f"flops/{part}"] for part in FLOPS_PARTS]
+            assert line["flops/total"] == pytest.approx(sum(parts))
     counts = compute_counts(trainer)
     assert counts["teacher_tokens"] == by_hand[1] + by_hand[2]
     assert counts["teacher_context_tokens"] == context[1] + context[2]
     for part, value in {**counts["flops_by_part"], "total": counts["flops"]}.items():
         if value is None:  # a served teacher's part, and so the total
-            assert steps[-1][f"flops_total/{part}"] is None and part in ("teacher", "total") and teacher is None
+            assert steps[-1][f"flops_total/{part}"] is None and part.startswith(("teacher", "total"))
+            assert teacher is None
         else:
             assert steps[-1][f"flops_total/{part}"] == pytest.approx(value)
             assert value == pytest.approx(sum(line[f"flops/{part}"] for line in steps))
@@ -250,9 +255,34 @@ def test_teacher_flops_count_the_teacher_states_the_teacher_wrote(tmp_path, stud
     tokens = trainer.state.num_input_tokens_seen
     written = line["teacher_tokens"] - line["supervised_tokens"]  # scored = every completion token here
     assert written > 0  # the teacher wrote rollouts this step
-    assert line["flops/teacher"] >= 2 * n_teacher * (tokens + written), "the teacher's writing is not counted"
+    assert line["flops/teacher_writing"] >= 2 * n_teacher * written, "the teacher's writing is not counted"
     assert (line["teacher_written_tokens"], line["teacher_generation_prompt_tokens"]) == (written, sum(prompts))
-    assert line["flops/teacher"] == pytest.approx(2 * n_teacher * (tokens + written + sum(prompts)))
+    assert line["flops/teacher_writing"] == pytest.approx(2 * n_teacher * (written + sum(prompts)))
+    assert line["flops/teacher_scoring"] == pytest.approx(2 * n_teacher * tokens)
     counts = compute_counts(trainer)  # results.json's count is the ledger's
-    assert counts["flops_by_part"]["teacher"] == pytest.approx(line["flops_total/teacher"])
+    for part in ("teacher_scoring", "teacher_writing"):
+        assert counts["flops_by_part"][part] == pytest.approx(line[f"flops_total/{part}"])
     assert counts["flops"] == pytest.approx(line["flops_total/total"])
+
+
+@pytest.mark.parametrize("continuation", [False, True])
+def test_the_flops_parts_sum_to_the_total_with_every_count_on(continuation):
+    """Student generation, student training, teacher scoring and teacher writing are the whole count: with every
+    ledger count at work (a self teacher's context and shared start, skipped rows, the cache's reuses, `teacher`
+    states), the parts add up to `total`, and the shared start and the cache's reruns land in the teacher's scoring."""
+    totals = {
+        "supervised_tokens": 40.0, "teacher_context_tokens": 300.0, "teacher_skipped_tokens": 20.0,
+        "teacher_prefix_shared_tokens": 240.0, "teacher_prefix_run_tokens": 30.0, "cache_reused_tokens": 90.0,
+        "cache_reused_completion_tokens": 50.0, "cache_reused_teacher_tokens": 110.0, "cache_checked_tokens": 90.0,
+        "teacher_generation_prompt_tokens": 15.0, "teacher_written_tokens": 25.0,
+    }  # fmt: skip
+    counter = ComputeCounter(student=3, teacher_sizes={"": 5}, samples=True, reference=True,
+                             continuation=continuation, teacher_head=7)  # fmt: skip
+    flops = counter.of_ledger(100.0, totals)
+    assert set(flops) == {*FLOPS_PARTS, "total"}
+    assert flops["total"] == pytest.approx(sum(flops[part] for part in FLOPS_PARTS))
+    reads = 100 + 300 - 20 - (240 - 30)  # the rollouts, the context, less the skipped rows and the start's saving
+    scoring = 2 * 5 * (reads + 110 + continuation * 40) + 2 * 7 * 50
+    assert flops["teacher_scoring"] == pytest.approx(scoring)
+    writing = 2 * 5 * (15 + 25) + continuation * 2 * 5 * (100 + 300 - 20 + 40)
+    assert flops["teacher_writing"] == pytest.approx(writing)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
+from trl_statelens.lens.compute import matmul_parameters
 from trl_statelens.teachers import SelfTeacher, resolve_rows
 
 
@@ -148,6 +149,49 @@ def test_a_shared_privileged_start_runs_once_and_scores_as_a_plain_forward(
         assert_plain_forward_logps(base, batch, teacher_logps, trainer.temperature)
     assert lengths.count(torch.Size([1, shared])) == 1
     assert not any(shape[1] > shared for shape in lengths if shape[0] == 8)  # no full-prompt forward of the rows
+
+
+def test_a_shared_privileged_start_counts_once_in_the_flops(tmp_path, math_trained_path, math_dataset):
+    """The same worked examples before every row's prompt, run once for the run by the frozen `base` teacher (the
+    same 4 prompts each step, so the same shared start): the teacher's FLOPs count that start each time its forward
+    ran (once, at step 1) and each row's own tokens, not the start once per rollout. Counted by hand from each
+    generation batch and the teacher's forwards of the start alone."""
+    context = " ".join(f"Example {i}: 3 + {i} = {3 + i}." for i in range(12))
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, max_steps=2, teacher_prompt_template="{privileged_context}\nNow: {prompt}"),
+        train_dataset=with_context(math_dataset.select(range(4)), [context]),
+        callbacks=[StateLoggingCallback(sample_rate=0.0)],
+    )
+    starts = []  # the lengths of the teacher's forwards of the shared start alone
+
+    def record(module, args, kwargs):
+        if args and kwargs.get("use_cache"):  # `model(start_ids, use_cache=True)`: the start alone
+            starts.append(args[0].size(1))
+
+    trainer.accelerator.unwrap_model(trainer.teacher.model).register_forward_pre_hook(record, with_kwargs=True)
+    read_by_rows = []  # per step: the rows' teacher prompt and completion tokens, and the shared start's length
+    generate_and_score = trainer._generate_and_score_completions
+
+    def counted(inputs):
+        output = generate_and_score(inputs)
+        prompts = output["teacher_prompt_ids"]
+        shared = trainer.teacher._shared_prefix_length(prompts)
+        assert shared >= 64
+        read_by_rows.append((sum(len(p) for p in prompts) + int(output["completion_mask"].sum()), shared))
+        return output
+
+    trainer._generate_and_score_completions = counted
+    trainer.train()
+
+    steps = [json.loads(line) for line in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+    (shared,) = {shared for _, shared in read_by_rows}  # the same start on both steps
+    assert starts == [shared]  # its forward ran once
+    assert [line["teacher_prefix_run_tokens"] for line in steps] == [shared, 0]
+    assert [line["teacher_prefix_shared_tokens"] for line in steps] == [8 * shared, 8 * shared]
+    n = matmul_parameters(trainer.model)  # a self teacher's size
+    for line, (rows, _), ran in zip(steps, read_by_rows, (1, 0)):
+        assert line["flops/teacher_scoring"] == pytest.approx(2 * n * (rows - 8 * shared + ran * shared))
 
 
 def test_conversational_prompt_fills_the_template_into_its_last_user_message(tmp_path, math_trained_path, world):

@@ -84,11 +84,11 @@ def test_three_steps_share_one_rollout_batch_and_one_teacher_pass(
     for line, tokens in zip(steps, reused):
         if line["refreshed"] is None:
             assert line["flops/student_generation"] == 0
-            assert line["flops/teacher"] == pytest.approx(2 * head * tokens)
+            assert line["flops/teacher_scoring"] == pytest.approx(2 * head * tokens)
             student = matmul_parameters(trainer.model)
             assert line["flops/student_training"] == pytest.approx(6 * student * line["cache_reused_tokens"])
         else:
-            assert line["flops/teacher"] > 2 * head * by_hand[0]
+            assert line["flops/teacher_scoring"] > 2 * head * by_hand[0]
     states = read(tmp_path / "statelens" / "states.jsonl")
     assert {(s["step"], s["from_cache"], s["cache_age"]) for s in states} == {
         (1, False, 0), (2, True, 1), (3, True, 2), (4, False, 0), (5, True, 1), (6, True, 2)
@@ -297,3 +297,31 @@ def test_zero3_ranks_make_the_same_refresh_decisions(tmp_path, student_path, tea
 def test_reverse_kl_with_the_cache_warns_of_its_stale_policy_gradient(tmp_path):
     with pytest.warns(UserWarning, match="no importance ratio"):
         cache_config(tmp_path, signal="reverse_kl")
+
+
+def test_a_teacher_of_another_tokenizer_reruns_its_forward_on_a_reused_step_and_is_counted_in_full(
+    tmp_path, student_path, other_teacher_path, math_dataset
+):
+    """A teacher of another tokenizer keeps nothing of its `divergence` forward in the cache: a reused step runs it
+    again over its own tokens of the batch, so that step's `flops/teacher_scoring` is 2 N_T per teacher token of the
+    rows (the rows' prompts and completions as the teacher reads them), counted by hand from the batch's readings,
+    not the output layer alone. (Review 2026-12-06, 4: 2.87e6 counted against 7.61e6 for the completions alone.)"""
+    trainer = make_trainer(
+        tmp_path, student_path, other_teacher_path, math_dataset, signal="divergence", teacher_cache_steps=2,
+        max_steps=2,
+    )  # fmt: skip
+    assert trainer.teacher.crosses_tokenizers
+    forwards = count_teacher_forwards(trainer)
+    batches = watch_generation(trainer)
+    trainer.train()
+
+    assert len(batches) == 1 and forwards[0] == 2  # one batch sampled; the teacher's forward ran on both steps
+    refresh, reused = read(tmp_path / "statelens" / "steps.jsonl")
+    assert (refresh["refreshed"], reused["refreshed"]) == ("first", None)
+    readings = [row.scores.result()[row.index] for row in batches[0]["teacher_scores"]]
+    teacher_tokens = sum(len(r.prompt) + len(r.completion) for r in readings)
+    n_teacher = matmul_parameters(trainer.teacher.model)
+    assert reused["cache_reused_teacher_tokens"] == teacher_tokens
+    assert reused["flops/teacher_scoring"] >= 2 * n_teacher * reused["cache_reused_completion_tokens"]
+    assert reused["flops/teacher_scoring"] == pytest.approx(2 * n_teacher * teacher_tokens)
+    assert reused["flops/teacher_scoring"] == pytest.approx(refresh["flops/teacher_scoring"])  # the same forward

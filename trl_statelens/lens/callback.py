@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from .. import collective
 from ..provenance import write_run_provenance
-from .compute import FLOPS_PARTS, ComputeCounter, cache_counts, ledger_totals, teacher_generation, tokens_seen
+from .compute import FLOPS_PARTS, ComputeCounter, ledger_totals, tokens_seen
 from .drift import PrefixFeatures, probe_drift
 from .endings import ending_metrics
 from .probes import DRIFT_REFERENCE_FILE, ProbeMixin
@@ -37,9 +37,10 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
       scored the tokens; with several teachers `supervised_tokens/<name>` and
       `source_frac/teacher/<name>`), with the step's cost: `teacher_tokens` (the positions a teacher scored or
       wrote, all ranks: [`StateRecorderMixin._count_teacher_tokens`]) and `teacher_tokens_total` (so far) with a
-      teacher, and the training FLOPs by part, `flops/{student_generation,student_training,teacher,total}` for the
+      teacher, and the training FLOPs by part,
+      `flops/{student_generation,student_training,teacher_scoring,teacher_writing}` and their sum `flops/total` for the
       step and `flops_total/*` so far (counted as `results.json`'s `compute`: [`~trl_statelens.lens.compute.ComputeCounter`];
-      `None` in the ledger, and not logged, for a served teacher's part, whose size is unknown), and, with GRPO's
+      `None` in the ledger, and not logged, for a served teacher's parts, whose size is unknown), and, with GRPO's
       groups of rollouts, `reward_groups/spread_frac` (the share of the step's groups whose rewards differ: the
       others give all their tokens a zero advantage; `weight/nonzero_frac` is the share of supervised tokens with a
       non-zero one). The aggregates go
@@ -254,16 +255,7 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
     # ----- accounting ----------------------------------------------------------------------------------------
     def _flops(self) -> dict[str, float | None]:
         """The run's training FLOPs so far by part (`runs.compute_counts`' count, from the same totals)."""
-        totals = self._totals
-        return self._compute.split(
-            tokens_seen(self.trainer),
-            totals.get("supervised_tokens", 0.0),
-            totals,
-            totals.get("teacher_context_tokens", 0.0),
-            totals.get("teacher_skipped_tokens", 0.0),
-            cache_counts(totals),
-            teacher_generation(totals),
-        )
+        return self._compute.of_ledger(tokens_seen(self.trainer), self._totals)
 
     def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:
         """`teacher_tokens_total`, and the step's (`flops/<part>`) and the run's (`flops_total/<part>`) training FLOPs

@@ -1,7 +1,7 @@
 """Training compute counted from model sizes and tokens (DESIGN.md): 2 FLOPs per parameter per token for a forward
 pass and 6 for a forward and backward, attention's length-squared term left out (lab sequences are short).
 
-One count, [`ComputeCounter.split`], serves the run's total in `results.json` ([`~trl_statelens.reports.runs.compute_counts`])
+One count, [`ComputeCounter.split`] ([`ComputeCounter.of_ledger`]), serves the run's total in `results.json` ([`~trl_statelens.reports.runs.compute_counts`])
 and the per-step and cumulative `statelens/flops/*` of the state records ([`StateLoggingCallback`]).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FLOPS_PARTS = ("student_generation", "student_training", "teacher")
+FLOPS_PARTS = ("student_generation", "student_training", "teacher_scoring", "teacher_writing")
 LEDGER_COUNTS = (
     "supervised_tokens",
     "teacher_tokens",
@@ -20,6 +20,9 @@ LEDGER_COUNTS = (
     "cache_checked_tokens",
     "teacher_generation_prompt_tokens",
     "teacher_written_tokens",
+    "teacher_prefix_shared_tokens",
+    "teacher_prefix_run_tokens",
+    "cache_reused_teacher_tokens",
 )  # per-step counts the run sums
 
 
@@ -83,31 +86,36 @@ class ComputeCounter:
     `None` without a teacher), and which passes run per token.
 
     Per rollout token: the student samples it (2 N_S, `student_generation`), is trained on it (6 N_S) and, in GRPO
-    with `beta` > 0, the reference scores it (2 N_S; both `student_training`); a teacher scores it (2 N_T, `teacher`).
-    A rollout of a `teacher` state (`state_source_mix`) is the teacher's to write before it scores it: its forward over
-    the rollout's prompt (the teacher's own prompt: a self teacher's holds the privileged context) and one forward per
-    token it writes, 2 N_T per token each (`teacher_generation_prompt_tokens` and `teacher_written_tokens`, the
-    ledger's counts, [`teacher_generation`]), on top of its scoring. (The student's generation is counted at the
-    rollouts' lengths: for a row whose state the teacher or the dataset gives, at the length of what replaced the
-    student's sample, not of the sample it threw away.)
-    The `continuation` signal is counted as if the whole rollout stayed (an upper bound: the cut drops part of it):
-    the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout token and per supervised
-    token), scores them (the same again) and the student trains on them (6 N_S). A trainer that does not sample (SFT)
-    is trained on its tokens only (6 N_S).
+    with `beta` > 0, the reference scores it (2 N_S; both `student_training`); a teacher scores it (2 N_T,
+    `teacher_scoring`). What the teacher writes is `teacher_writing`: a rollout of a `teacher` state
+    (`state_source_mix`) is the teacher's to write before it scores it: its forward over the rollout's prompt (the
+    teacher's own prompt: a self teacher's holds the privileged context) and one forward per token it writes, 2 N_T per
+    token each (`teacher_generation_prompt_tokens` and `teacher_written_tokens`, the ledger's counts,
+    [`teacher_generation`]). (The student's generation is counted at the rollouts' lengths: for a row whose state the
+    teacher or the dataset gives, at the length of what replaced the student's sample, not of the sample it threw
+    away.) The `continuation` signal is counted as if the whole rollout stayed (an upper bound: the cut drops part of
+    it): the teacher reads each cut state and writes the supervised tokens (2 N_T per rollout token and per supervised
+    token, `teacher_writing`), scores them (the same again, `teacher_scoring`) and the student trains on them (6 N_S).
+    A trainer that does not sample (SFT) is trained on its tokens only (6 N_S). The parts sum to `total`.
 
     A self teacher reads its own prompt, longer than the student's by its privileged context: those extra tokens
-    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes. A teacher
-    of another tokenizer reads the prompt and the completion in its own tokens: the same count holds the difference
-    from the student's, signed (fewer where its vocabulary writes the text in fewer tokens). A rollout
-    the teacher did not score (state selection, `skip_correct_rollouts`) is not counted as teacher work: its prompt
-    and completion tokens (`teacher_skipped_tokens`, the ledger's count) come off the teacher's reads.
+    (`teacher_context_tokens`, the ledger's count) are counted as teacher tokens too, in every pass it makes. Where its
+    scoring runs a prompt start shared by every row once (`SelfTeacher`: few-shot examples as the context), the rows'
+    positions that forward stood in for (`teacher_prefix_shared_tokens`) come off its scoring and the shared start is
+    counted each time its forward ran (`teacher_prefix_run_tokens`: once per scoring call, once per run for a frozen
+    `base` teacher while the start stays the same). A teacher of another tokenizer reads the prompt and the completion
+    in its own tokens: `teacher_context_tokens` then holds the difference from the student's, signed (fewer where its
+    vocabulary writes the text in fewer tokens). A rollout the teacher did not score (state selection,
+    `skip_correct_rollouts`) is not counted as teacher work: its prompt and completion tokens
+    (`teacher_skipped_tokens`, the ledger's count) come off the teacher's reads.
 
     The offline teacher cache (`teacher_cache_steps`): a step trained on a reused batch samples nothing and asks the
     teacher nothing (GRPO counts no `num_tokens` then), but trains the student on the batch's prompt and completion
     tokens (`cache_reused_tokens`, 6 N_S each), and the staleness check runs the student forward on them
     (`cache_checked_tokens`, 2 N_S each); with an in-process teacher's `divergence`, the teacher's output layer
     (`teacher_head` parameters) projects its cached hidden states again at each reused completion token
-    (`cache_reused_completion_tokens`, 2 each).
+    (`cache_reused_completion_tokens`, 2 each), and a teacher of another tokenizer, which keeps nothing of its forward,
+    runs it again over its own tokens of the reused rows (`cache_reused_teacher_tokens`, 2 N_T each).
 
     N_T is the teacher's size: the student's for a self teacher;
     with several teachers, their sizes weighted by the tokens each supervised (`supervised_tokens/<name>`). A teacher
@@ -150,33 +158,54 @@ class ComputeCounter:
         teacher_skipped: float = 0.0,
         cache: dict | None = None,
         teacher_generation: float = 0.0,
+        teacher_prefix_saved: float = 0.0,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
         counts them), `supervised` tokens, `teacher_context` tokens (`teacher_context_tokens`: a self teacher's extra
         prompt tokens, a teacher of another tokenizer's difference in tokens) and `teacher_skipped` tokens (of the
         rollouts the teacher did not score, `teacher_skipped_tokens`); `totals`, the ledger's summed counts, weigh
-        teachers of several sizes; `cache`, the teacher cache's counts
-        (`cache_reused_tokens`, `cache_reused_completion_tokens`, `cache_checked_tokens`: [`cache_counts`]);
+        teachers of several sizes; `cache`, the teacher cache's counts (`cache_reused_tokens`,
+        `cache_reused_completion_tokens`, `cache_reused_teacher_tokens`, `cache_checked_tokens`: [`cache_counts`]);
         `teacher_generation`, the tokens of the teacher's forwards writing `teacher` states ([`teacher_generation`],
-        2 N_T each)."""
+        2 N_T each); `teacher_prefix_saved`, the prompt positions a shared-prefix forward stood in for less that
+        forward's own tokens each time it ran ([`teacher_prefix_saved`]), off the teacher's scoring."""
         student, teacher, cache = self.student, self.teacher(totals), cache or {}
         teacher_reads = tokens + teacher_context - teacher_skipped
+        reused, checked = cache.get("cache_reused_tokens", 0.0), cache.get("cache_checked_tokens", 0.0)
         parts = {
             "student_generation": 2 * student * tokens if self.samples else 0.0,
-            "student_training": (6 + 2 * self.reference) * student * tokens,
-            "teacher": None if teacher is None else (2 + 2 * self.continuation) * teacher * teacher_reads,
+            "student_training": (6 + 2 * self.reference) * student * tokens + student * (6 * reused + 2 * checked),
+            "teacher_scoring": None,
+            "teacher_writing": None,
         }
-        reused, checked = cache.get("cache_reused_tokens", 0.0), cache.get("cache_checked_tokens", 0.0)
-        parts["student_training"] += 6 * student * reused + 2 * student * checked
-        if parts["teacher"] is not None:
-            parts["teacher"] += 2 * self.teacher_head * cache.get("cache_reused_completion_tokens", 0.0)
-            parts["teacher"] += 2 * teacher * teacher_generation
+        if teacher is not None:
+            parts["teacher_scoring"] = (
+                2 * teacher * (teacher_reads - teacher_prefix_saved)
+                + 2 * self.teacher_head * cache.get("cache_reused_completion_tokens", 0.0)
+                + 2 * teacher * cache.get("cache_reused_teacher_tokens", 0.0)
+            )
+            parts["teacher_writing"] = 2 * teacher * teacher_generation
         if self.continuation:
             parts["student_training"] += 6 * student * supervised
-            if teacher is not None:
-                parts["teacher"] += 4 * teacher * supervised
+            if teacher is not None:  # it writes from each cut state, then scores what it wrote
+                parts["teacher_writing"] += 2 * teacher * (teacher_reads + supervised)
+                parts["teacher_scoring"] += 2 * teacher * supervised
         known = [value for value in parts.values() if value is not None]
         return {**parts, "total": sum(known) if len(known) == len(parts) else None}
+
+    def of_ledger(self, tokens: float, totals: dict) -> dict:
+        """[`split`] of `tokens` with every count read from the ledger's summed `totals` ([`ledger_totals`]): the run's
+        FLOPs so far, as the ledger's `flops_total/*` and `results.json`'s `compute` count them."""
+        return self.split(
+            tokens,
+            totals.get("supervised_tokens", 0.0),
+            totals,
+            totals.get("teacher_context_tokens", 0.0),
+            totals.get("teacher_skipped_tokens", 0.0),
+            cache_counts(totals),
+            teacher_generation(totals),
+            teacher_prefix_saved(totals),
+        )
 
 
 def _cached_teacher_head(trainer) -> int:
@@ -185,8 +214,8 @@ def _cached_teacher_head(trainer) -> int:
     args, teacher = trainer.args, getattr(trainer, "teacher", None)
     if getattr(args, "teacher_cache_steps", 1) <= 1 or args.signal != "divergence" or teacher is None:
         return 0
-    if teacher.model is None or teacher.reads_own_prompts:
-        return 0
+    if teacher.model is None or teacher.reads_own_prompts or teacher.crosses_tokenizers:
+        return 0  # (one of another tokenizer keeps no hidden states: it runs its forward again, counted in full)
     weight = getattr(teacher.model, "module", teacher.model).get_output_embeddings().weight
     return getattr(weight, "ds_numel", weight.numel())
 
@@ -202,9 +231,16 @@ def teacher_generation(totals: dict) -> float:
     return totals.get("teacher_generation_prompt_tokens", 0.0) + totals.get("teacher_written_tokens", 0.0)
 
 
+def teacher_prefix_saved(totals: dict) -> float:
+    """The teacher's scoring positions a shared-prefix forward saved among the ledger's `totals`: the rows' prompt
+    positions it stood in for (`teacher_prefix_shared_tokens`) less its own tokens each time it ran
+    (`teacher_prefix_run_tokens`), for [`ComputeCounter.split`]'s `teacher_prefix_saved`."""
+    return totals.get("teacher_prefix_shared_tokens", 0.0) - totals.get("teacher_prefix_run_tokens", 0.0)
+
+
 def ledger_totals(lines: list[dict]) -> dict[str, float]:
-    """The per-step counts of ledger lines (`steps.jsonl`) summed: `supervised_tokens`, `supervised_tokens/<name>`,
-    `teacher_tokens`, `teacher_context_tokens` and `teacher_skipped_tokens`, those the lines hold."""
+    """The per-step counts of ledger lines (`steps.jsonl`) summed (`LEDGER_COUNTS`: `supervised_tokens`,
+    `supervised_tokens/<name>`, `teacher_tokens`, `teacher_context_tokens`, ...), those the lines hold."""
     totals = {}
     for line in lines:
         for key, value in line.items():

@@ -30,9 +30,11 @@ import torch
 
 from .. import collective
 from ..teachers.base import CACHE_SLOT, CacheSlot  # each micro-batch's entry: its age, what is kept for its reuses
+from ..teachers.cross_tokenizer import TextReading
 
 # This rank's sums of an optimizer step in `trainer.step_counts` (`lens.step_counts.StepCounts`), one float tensor:
-# the k3 and k1 sums and their tokens (all ranks); the reused, reused completion and checked tokens (this rank's)
+# the k3 and k1 sums and their tokens (all ranks); the reused, reused completion, checked and reused teacher tokens
+# (this rank's)
 CACHE_COUNTS = "teacher_cache"
 REFRESH_REASONS = ("first", "age", "staleness")
 
@@ -51,6 +53,14 @@ def staleness_mask(inputs: dict, learner_code: int) -> torch.Tensor:
     reference or a `teacher` rollout, nor a tool's output)."""
     mask = inputs["completion_mask"] * (inputs["row_source"] == learner_code)[:, None]
     return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
+def rerun_tokens(inputs: dict) -> int:
+    """The tokens the teacher's forward runs over again when a reused micro-batch's `divergence` loss is computed: a
+    teacher of another tokenizer keeps nothing of that forward in the slot (its rows' readings, [`TextReading`], are
+    its prompt and completion in its own tokens), where one of the student's tokenizer keeps its hidden states."""
+    readings = [row.scores.result()[row.index] for row in inputs.get("teacher_scores") or []]
+    return sum(len(r.prompt) + len(r.completion) for r in readings if isinstance(r, TextReading))
 
 
 class TeacherCache:
@@ -139,11 +149,11 @@ class TeacherCache:
         trainer._metrics["train"]["teacher_cache/log_ratio"].append(k1 / count if count else 0.0)
         if slot.age > 0:
             prompt, completion = int(inputs["prompt_mask"].sum()), int(inputs["completion_mask"].sum())
-            self._count(reused=prompt + completion, reused_completion=completion)
+            self._count(reused=prompt + completion, reused_completion=completion, reused_teacher=rerun_tokens(inputs))
 
-    def _count(self, k3=0.0, k1=0.0, tokens=0.0, reused=0, reused_completion=0, checked=0) -> None:
+    def _count(self, k3=0.0, k1=0.0, tokens=0.0, reused=0, reused_completion=0, checked=0, reused_teacher=0) -> None:
         """Add to the step's sums (`CACHE_COUNTS`, float32)."""
-        sums = torch.tensor([k3, k1, tokens, reused, reused_completion, checked], dtype=torch.float32)
+        sums = torch.tensor([k3, k1, tokens, reused, reused_completion, checked, reused_teacher], dtype=torch.float32)
         self.trainer.step_counts.add(**{CACHE_COUNTS: sums})
 
     def step_trace(self) -> dict:
@@ -154,9 +164,10 @@ class TeacherCache:
         (the staleness measured before the decision, with `teacher_cache_max_staleness`: on a staleness refresh, the
         value that triggered it), and the counts the FLOPs read: `cache_reused_tokens` (the prompt and completion tokens
         trained from the cache, all ranks), `cache_reused_completion_tokens` and `cache_checked_tokens` (those the
-        staleness check's forward read)."""
+        staleness check's forward read) and `cache_reused_teacher_tokens` (the tokens a teacher of another tokenizer ran
+        its forward over again on the reused rows: `rerun_tokens`)."""
         (sums,) = self.trainer.step_counts.take(CACHE_COUNTS)
-        sums = torch.zeros(6) + sums  # (zeros where nothing was counted)
+        sums = torch.zeros(7) + sums  # (zeros where nothing was counted)
         local = sums.clone()
         local[:3] = 0  # already summed over the ranks
         gathered = collective.sum_over_ranks(self.trainer.accelerator, local)
@@ -169,6 +180,7 @@ class TeacherCache:
             "cache_reused_tokens": gathered[3],
             "cache_reused_completion_tokens": gathered[4],
             "cache_checked_tokens": gathered[5],
+            "cache_reused_teacher_tokens": gathered[6],
         }
         if self.measured is not None:
             trace["teacher_cache/measured"] = self.measured

@@ -33,6 +33,7 @@ from ..teachers import (
     served_teacher,
     teacher_in_process,
 )
+from ..teachers.self_teacher import SHARED_PREFIX_COUNTS
 from ..trainers.grpo import StateLensGRPOTrainer
 from .cache import TeacherCache
 from .checks import (
@@ -371,7 +372,9 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         with state selection, the rollouts the teacher skipped as correct and rechecked since the last line, and the
         prompt and completion tokens it did not read (`teacher_skipped_tokens`, all ranks: called on every rank); with
         the teacher cache, whether the step refreshed it and its staleness (`TeacherCache.step_trace`); with `teacher`
-        states, the tokens of the teacher's forwards writing them (`TEACHER_GENERATION_COUNTS`, all ranks)."""
+        states, the tokens of the teacher's forwards writing them (`TEACHER_GENERATION_COUNTS`, all ranks); with a self
+        teacher, the prompt positions of its scoring that a shared prompt start's one forward stood in for and that
+        forward's tokens each time it ran (`SHARED_PREFIX_COUNTS`, all ranks)."""
         trace = {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
         if self.args.state_source_mix.get("teacher", 0.0) > 0:
             counts = torch.tensor(self.step_counts.take(*TEACHER_GENERATION_COUNTS))
@@ -379,6 +382,10 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             trace.update(zip(TEACHER_GENERATION_COUNTS, map(float, counts)))
         if self.teacher_cache is not None:
             trace.update(self.teacher_cache.step_trace())
+        if self.teacher.reads_own_prompts:  # a self teacher's scoring may run a shared prompt start once
+            counts = torch.tensor(self.step_counts.take(*SHARED_PREFIX_COUNTS), dtype=torch.float32)
+            counts = collective.sum_over_ranks(self.accelerator, counts)
+            trace.update(zip(SHARED_PREFIX_COUNTS, map(float, counts)))
         if self.args.skip_correct_rollouts:
             counts = torch.tensor(self.step_counts.take(*SELECTION_COUNTS))
             skipped, rechecked, tokens = collective.sum_over_ranks(self.accelerator, counts)

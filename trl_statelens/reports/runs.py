@@ -38,7 +38,7 @@ from ..evaluation import (
     retention_summary,
 )
 from ..lens.callback import StateLoggingCallback, check_no_ledger
-from ..lens.compute import ComputeCounter, cache_counts, ledger_totals, teacher_generation, tokens_seen
+from ..lens.compute import ComputeCounter, ledger_totals, tokens_seen
 from ..provenance import PROVENANCE_FILE, provenance
 from ..real_models import GEMMA3, SMOLLM2, build_gemma3, build_smollm2
 from ..teachers import without_zero3_init
@@ -364,8 +364,9 @@ def compute_counts(trainer) -> dict:
 
     `flops_per_token` multiplies `tokens`, `flops_per_supervised_token` the ledger's `supervised_tokens` (the report
     draws compute so far at each step from both), `flops_by_part` splits `flops` into student generation, student
-    training and teacher (the ledger's last `flops_total/*` are the same numbers; with a self teacher they include
-    its prompts' extra tokens, `teacher_context_tokens`, which the per-token counts leave out), and `teacher_tokens`
+    training, teacher scoring and teacher writing (the ledger's last `flops_total/*` are the same numbers; with a self
+    teacher they include its prompts' extra tokens, `teacher_context_tokens`, which the per-token counts leave out,
+    less what a shared-prefix forward saved), and `teacher_tokens`
     sums the ledger's (`None` without). N_T (`teacher_parameters`, by teacher in `teacher_parameters_by_name` when there are
     several) and every FLOP count it enters are `None` for a teacher on a server, whose size is unknown here.
     """
@@ -375,16 +376,7 @@ def compute_counts(trainer) -> dict:
     totals = ledger_totals(ledger)
     tokens = tokens_seen(trainer)
     context = totals.get("teacher_context_tokens", 0.0)
-    skipped = totals.get("teacher_skipped_tokens", 0.0)  # rollouts the teacher did not score (state selection)
-    by_part = counter.split(
-        tokens,
-        totals.get("supervised_tokens", 0.0),
-        totals,
-        context,
-        skipped,
-        cache_counts(totals),
-        teacher_generation(totals),
-    )
+    by_part = counter.of_ledger(tokens, totals)
     per_token, per_supervised = counter.split(1, 0, totals)["total"], counter.split(0, 1, totals)["total"]
     counts = {
         "student_parameters": counter.student,

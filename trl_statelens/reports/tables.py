@@ -230,7 +230,8 @@ def cost_table(runs: list[Run]) -> list[Block]:
                 "Teacher tokens",
                 "student generation FLOPs",
                 "student training FLOPs",
-                "teacher FLOPs",
+                "teacher scoring FLOPs",
+                "teacher writing FLOPs",
                 "total FLOPs",
             ],  # fmt: skip
             rows=rows,

@@ -28,6 +28,9 @@ from .self_teacher_weights import (
 # Shortest prompt start shared by every row that is run once for the batch (few-shot examples as privileged context:
 # hundreds of tokens); below it the one extra forward saves too little
 SHARED_PREFIX_MIN_TOKENS = 64
+# The optimizer step's counts of that forward in `trainer.step_counts`, for the FLOPs (`lens.compute.ComputeCounter`):
+# the rows' prompt positions it stood in for, and its own tokens each time it ran
+SHARED_PREFIX_COUNTS = ("teacher_prefix_shared_tokens", "teacher_prefix_run_tokens")
 
 
 class SelfTeacher(InProcessTeacher):
@@ -152,10 +155,13 @@ class SelfTeacher(InProcessTeacher):
         device = trainer.accelerator.device
         prefix = tuple(prompts[0][:length])
         cached = self._prefix_cache
-        if cached is None or cached[0] != prefix or self.kind != "base":
+        ran = cached is None or cached[0] != prefix or self.kind != "base"
+        if ran:
             with trainer.accelerator.autocast():
                 cached = (prefix, model(torch.tensor([prefix], device=device), use_cache=True).past_key_values)
             self._prefix_cache = cached if self.kind == "base" else None
+        if trainer.step_counts is not None and trainer.model.training:  # the FLOPs count what ran, once
+            trainer.step_counts.add(**dict(zip(SHARED_PREFIX_COUNTS, (length * len(prompts), length * ran))))
         args = trainer.args
         batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
         pad_id = trainer._tokenizer.pad_token_id
