@@ -26,7 +26,9 @@ class SFTScriptArguments(RecipeArguments):
     pass
 
 
-def main(args: SFTScriptArguments, training_args: SFTConfig, model_args: ModelConfig):
+def build_trainer(args: SFTScriptArguments, training_args: SFTConfig, model_args: ModelConfig):
+    """The run's trainer and its student's path, as `main` trains it (`statelens preflight` builds it so too, and
+    checks it without training)."""
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     callback = state_logging_callback(args)
     trainer_class = SFTTrainer if args.baseline == "stock" else StateLensSFTTrainer
@@ -38,9 +40,19 @@ def main(args: SFTScriptArguments, training_args: SFTConfig, model_args: ModelCo
         callbacks=[callback],
     )
     callback.trainer = trainer  # a stock trainer does not attach it itself
+    return trainer, model_path
+
+
+def main(args: SFTScriptArguments, training_args: SFTConfig, model_args: ModelConfig):
+    trainer, model_path = build_trainer(args, training_args, model_args)
     run_recipe("sft", trainer, args, model_path)
 
 
-if __name__ == "__main__":
+def parse_arguments(argv: list[str]):
+    """The run's arguments: its config file (the lab's without `--config`), then the flags that override it."""
     parser = TrlParser((SFTScriptArguments, SFTConfig, ModelConfig))
-    main(*parser.parse_args_and_config(args=with_default_config(__file__, sys.argv[1:])))
+    return parser.parse_args_and_config(args=with_default_config(__file__, argv))
+
+
+if __name__ == "__main__":
+    main(*parse_arguments(sys.argv[1:]))
