@@ -131,9 +131,19 @@ def test_preflight_names_the_recipe_by_the_config_and_runs_sft(tmp_path, capsys,
         ([str(LAB_CONFIGS / "eval.yaml")], "--recipe opd|self_distill|grpo|sft"),
         ([str(LAB_CONFIGS / "grpo.yaml"), "--baseline", "stock"], "leave --baseline at 'statelens'"),
         (["no-such.yaml", "--recipe", "sft"], "no config file no-such.yaml"),
+        ([str(LAB_CONFIGS / "sft.yaml"), "--preflight_prompts", "4"], "not used by the HfArgumentParser"),
     ],
 )
 def test_preflight_refuses_what_it_cannot_build_with_exit_2(tmp_path, capsys, argv, message):
     assert statelens(["preflight", *argv, "--output_dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "statelens").exists()
+
+
+def test_preflight_leaves_a_trained_runs_folder_alone(tmp_path, capsys):
+    ledger = tmp_path / "statelens" / "steps.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text('{"step": 1}\n')
+    assert statelens(["preflight", str(LAB_CONFIGS / "sft.yaml"), "--output_dir", str(tmp_path)]) == 2
+    assert "holds a trained run's records" in capsys.readouterr().err
+    assert not (tmp_path / "statelens" / "preflight.json").exists()
