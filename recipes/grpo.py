@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 from trl_statelens import StateLensGRPOTrainer, gsm8k_accuracy_reward
+from trl_statelens.guards import check_mode
+from trl_statelens.preflight import check_preflight_settings
 from trl_statelens.reports.runs import (
     RecipeArguments,
     load_train_data,
@@ -23,7 +25,23 @@ from trl_statelens.reports.runs import (
 
 @dataclass
 class GRPOScriptArguments(RecipeArguments):
-    pass
+    """The arguments every recipe shares ([`RecipeArguments`]) and the StateLens trainer's own keywords, which are
+    not `GRPOConfig` fields (a `--baseline stock` run, TRL's GRPOTrainer, runs neither).
+
+    Args:
+        guards: the run guards' mode: `"warn"`, `"stop"` or `"off"` (docs/guards.md).
+        preflight: the preflight's mode: `"warn"`, `"strict"` or `"off"` (docs/preflight.md).
+        preflight_prompts: training prompts the preflight samples.
+    """
+
+    guards: str = "warn"
+    preflight: str = "warn"
+    preflight_prompts: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_mode(self.guards)
+        check_preflight_settings(self.preflight, self.preflight_prompts)
 
 
 def build_trainer(args: GRPOScriptArguments, training_args: GRPOConfig, model_args: ModelConfig):
@@ -32,6 +50,9 @@ def build_trainer(args: GRPOScriptArguments, training_args: GRPOConfig, model_ar
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     callback = state_logging_callback(args)
     trainer_class = GRPOTrainer if args.baseline == "stock" else StateLensGRPOTrainer
+    keywords = {}  # the StateLens trainer's own
+    if args.baseline != "stock":
+        keywords = dict(guards=args.guards, preflight=args.preflight, preflight_prompts=args.preflight_prompts)
     trainer = trainer_class(
         model=model_path,
         reward_funcs=gsm8k_accuracy_reward,
@@ -39,6 +60,7 @@ def build_trainer(args: GRPOScriptArguments, training_args: GRPOConfig, model_ar
         train_dataset=load_train_data(args, training_args.seed),
         peft_config=get_peft_config(model_args),
         callbacks=[callback],
+        **keywords,
     )
     callback.trainer = trainer
     return trainer, model_path

@@ -131,7 +131,7 @@ def test_preflight_names_the_recipe_by_the_config_and_runs_sft(tmp_path, capsys,
         ([str(LAB_CONFIGS / "eval.yaml")], "--recipe opd|self_distill|grpo|sft"),
         ([str(LAB_CONFIGS / "grpo.yaml"), "--baseline", "stock"], "leave --baseline at 'statelens'"),
         (["no-such.yaml", "--recipe", "sft"], "no config file no-such.yaml"),
-        ([str(LAB_CONFIGS / "sft.yaml"), "--preflight_prompts", "4"], "not used by the HfArgumentParser"),
+        ([str(LAB_CONFIGS / "sft.yaml"), "--preflight", "loud"], "preflight='loud' is not one of"),
     ],
 )
 def test_preflight_refuses_what_it_cannot_build_with_exit_2(tmp_path, capsys, argv, message):
