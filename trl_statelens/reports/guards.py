@@ -1,7 +1,10 @@
 """The run guards' firings (`statelens/guards.jsonl`, docs/guards.md) in the report: a table near the top, beside the
-preflight's, and a dotted vertical line at each firing's step on the per-step plots."""
+preflight's, and a dotted vertical line at each firing's step on the per-step plots; the same table on the states
+page."""
 
 from __future__ import annotations
+
+import html
 
 from .run_folders import Run
 from .tables import Block
@@ -37,6 +40,16 @@ def guard_blocks(runs: list[Run]) -> list[Block]:
     if not rows:
         return []
     return [Block("heading", "Guards (during training)"), Block("table", header=HEADER, rows=rows)]
+
+
+def guards_html(runs: list[Run]) -> str:
+    """The same table as HTML, for the states page ("" when no run has a `guards.jsonl`)."""
+    rows = guard_rows(runs)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<h2>Guards (during training)</h2>\n<table id="guards"><tr>{head}</tr>{body}</table>\n'
 
 
 def guard_steps(run: Run) -> list[int]:
