@@ -96,8 +96,11 @@ def stock_served_trainer(model_path, teacher_path, training_args, dataset, model
     return trainer
 
 
-def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None):
-    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/studies/two_teachers.py's mixed prompts)."""
+def build_trainer(
+    args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None
+):
+    """The run's trainer, its student's path and its teacher, as `main` trains it (`statelens preflight` builds it so
+    too, and checks it without training)."""
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     teachers = named_teachers(args.teacher_model_name_or_path, args.lab_seed)
     if teachers is not None:
@@ -144,9 +147,20 @@ def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_a
             callbacks=[callback],
         )
     callback.trainer = trainer
+    return trainer, model_path, teacher_path
+
+
+def main(args: OPDScriptArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig, dataset=None):
+    """One run; `dataset`: the training rows, when not `--dataset_name`'s (recipes/studies/two_teachers.py's mixed prompts)."""
+    trainer, model_path, teacher_path = build_trainer(args, training_args, model_args, dataset)
     run_recipe("opd", trainer, args, model_path, training_args.teacher_model_server_url or teacher_path)
 
 
-if __name__ == "__main__":
+def parse_arguments(argv: list[str]):
+    """The run's arguments: its config file (the lab's without `--config`), then the flags that override it."""
     parser = TrlParser((OPDScriptArguments, OnPolicyDistillConfig, ModelConfig))
-    main(*parser.parse_args_and_config(args=with_default_config(__file__, sys.argv[1:])))
+    return parser.parse_args_and_config(args=with_default_config(__file__, argv))
+
+
+if __name__ == "__main__":
+    main(*parse_arguments(sys.argv[1:]))

@@ -27,7 +27,9 @@ from trl_statelens.reports.runs import (
 )
 
 
-def main(args: RecipeArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
+def build_trainer(args: RecipeArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
+    """The run's trainer and its student's path, as `main` trains it (`statelens preflight` builds it so too, and
+    checks it without training)."""
     if training_args.teacher_model_kind is None:
         raise ValueError("self-distillation needs --teacher_model_kind base, live or ema (the student as its teacher)")
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
@@ -53,9 +55,19 @@ def main(args: RecipeArguments, training_args: OnPolicyDistillConfig, model_args
             callbacks=[callback],
         )
     callback.trainer = trainer
+    return trainer, model_path
+
+
+def main(args: RecipeArguments, training_args: OnPolicyDistillConfig, model_args: ModelConfig):
+    trainer, model_path = build_trainer(args, training_args, model_args)
     run_recipe("self_distill", trainer, args, model_path)
 
 
-if __name__ == "__main__":
+def parse_arguments(argv: list[str]):
+    """The run's arguments: its config file (the lab's without `--config`), then the flags that override it."""
     parser = TrlParser((RecipeArguments, OnPolicyDistillConfig, ModelConfig))
-    main(*parser.parse_args_and_config(args=with_default_config(__file__, sys.argv[1:])))
+    return parser.parse_args_and_config(args=with_default_config(__file__, argv))
+
+
+if __name__ == "__main__":
+    main(*parse_arguments(sys.argv[1:]))

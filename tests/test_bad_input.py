@@ -550,3 +550,29 @@ def test_cross_tokenizer_teacher_prompt_longer_than_the_teachers_context(
             model=str(student_path), teacher_model=str(short), args=opd_config(tmp_path),
             train_dataset=math_dataset.select(range(4)),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("trainer", ["sft", "grpo", "opd"])
+def test_unknown_guards_or_preflight_mode_is_refused_before_any_model_loads(tmp_path, math_dataset, trainer):
+    """No model named here exists: each refusal comes before any loading."""
+    from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
+
+    def build(guards="warn", preflight="warn", preflight_prompts=16):
+        if trainer == "opd":  # the config's fields; the config refuses its own preflight settings
+            args = OnPolicyDistillConfig(output_dir=str(tmp_path), guards=guards, preflight=preflight,
+                                         preflight_prompts=preflight_prompts, **CPU)  # fmt: skip
+            return OnPolicyDistillTrainer(model="no/such-model", teacher_model="no/such-teacher", args=args,
+                                          train_dataset=math_dataset)  # fmt: skip
+        settings = dict(guards=guards, preflight=preflight, preflight_prompts=preflight_prompts)
+        if trainer == "sft":
+            return StateLensSFTTrainer(model="no/such-model", args=sft_args(tmp_path), train_dataset=math_dataset,
+                                       **settings)  # fmt: skip
+        return StateLensGRPOTrainer(model="no/such-model", reward_funcs=constant_reward, args=grpo_args(tmp_path),
+                                    train_dataset=math_dataset, **settings)  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"guards must be one of \('warn', 'stop', 'off'\).*got 'halt'"):
+        build(guards="halt")
+    with pytest.raises(ValueError, match=r"preflight='loud' is not one of \('warn', 'strict', 'off'\)"):
+        build(preflight="loud")
+    with pytest.raises(ValueError, match="preflight_prompts must be at least 1 training prompt, got 0"):
+        build(preflight_prompts=0)

@@ -48,7 +48,8 @@ def run_cli(argv, env_home):
 @pytest.mark.parametrize(
     "argv, expect",
     [
-        (["--help"], "{lab,eval,report,guards}"),
+        (["--help"], "{lab,eval,report,preflight,guards}"),
+        (["preflight", "--help"], "1 when a check fails"),
         (["report", "--help"], "--base RUN_DIR"),
         (["lab", "info"], "math 0.200  kb (MMLU analog) 1.000"),
         (["lab", "info", "--json"], '"pretrain_steps": 20'),
@@ -86,3 +87,63 @@ def test_import_star_and_from_import():
     from trl_statelens import StateLensGRPOTrainer, StateRecorderMixin
 
     assert issubclass(StateLensGRPOTrainer, StateRecorderMixin)
+
+
+# ----- statelens preflight ---------------------------------------------------------------------------------------------
+LAB_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "lab"
+SMALL_RUN = ["--num_probes", "0", "--per_device_train_batch_size", "4"]
+
+
+def test_preflight_builds_the_recipes_trainer_and_exits_with_its_verdict(
+    tmp_path, capsys, math_trained_path, math_teacher_path
+):
+    models = ["--model_name_or_path", str(math_trained_path), "--teacher_model_name_or_path", str(math_teacher_path)]
+    config = str(LAB_CONFIGS / "opd.yaml")
+    few = ["--preflight_prompts", "4"]  # OPD's config field (the SFT and GRPO trainers take it as a keyword)
+    code = statelens(["preflight", config, *models, "--output_dir", str(tmp_path / "ok"), *SMALL_RUN, *few])
+    printed = capsys.readouterr().out
+    written = json.loads((tmp_path / "ok" / "statelens" / "preflight.json").read_text())
+    assert written["trainer"] == "OnPolicyDistillTrainer" and written["prompts"] == 4
+    assert written["verdict"] in ("pass", "warn") and code == 0
+    assert "teacher/end_after_answer" in printed and str(tmp_path / "ok") in printed
+    # an answer budget of 2 tokens cuts every rollout: the check fails, and so does the command
+    cut = ["--max_completion_length", "2", "--output_dir", str(tmp_path / "cut")]
+    assert statelens(["preflight", config, *models, *cut, *SMALL_RUN, *few]) == 1
+    written = json.loads((tmp_path / "cut" / "statelens" / "preflight.json").read_text())
+    assert written["verdict"] == "fail"
+    assert {c["name"]: c["verdict"] for c in written["checks"]}["student/length_limit_share"] == "fail"
+    assert not (tmp_path / "cut" / "statelens" / "steps.jsonl").exists()  # nothing trained
+
+
+def test_preflight_names_the_recipe_by_the_config_and_runs_sft(tmp_path, capsys, student_path):
+    out = tmp_path / "sft"
+    code = statelens(["preflight", str(LAB_CONFIGS / "sft.yaml"), "--model_name_or_path", str(student_path),
+                      "--output_dir", str(out), *SMALL_RUN])  # fmt: skip
+    written = json.loads((out / "statelens" / "preflight.json").read_text())
+    assert written["trainer"] == "StateLensSFTTrainer"
+    assert code == (1 if written["verdict"] == "fail" else 0)
+    assert "data/ends_with_end_token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([str(LAB_CONFIGS / "eval.yaml")], "--recipe opd|self_distill|grpo|sft"),
+        ([str(LAB_CONFIGS / "grpo.yaml"), "--baseline", "stock"], "leave --baseline at 'statelens'"),
+        (["no-such.yaml", "--recipe", "sft"], "no config file no-such.yaml"),
+        ([str(LAB_CONFIGS / "sft.yaml"), "--preflight", "loud"], "preflight='loud' is not one of"),
+    ],
+)
+def test_preflight_refuses_what_it_cannot_build_with_exit_2(tmp_path, capsys, argv, message):
+    assert statelens(["preflight", *argv, "--output_dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "statelens").exists()
+
+
+def test_preflight_leaves_a_trained_runs_folder_alone(tmp_path, capsys):
+    ledger = tmp_path / "statelens" / "steps.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text('{"step": 1}\n')
+    assert statelens(["preflight", str(LAB_CONFIGS / "sft.yaml"), "--output_dir", str(tmp_path)]) == 2
+    assert "holds a trained run's records" in capsys.readouterr().err
+    assert not (tmp_path / "statelens" / "preflight.json").exists()

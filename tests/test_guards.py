@@ -119,6 +119,14 @@ def test_warn_is_the_trainers_default_and_off_attaches_none(student_path, math_d
         StateLensSFTTrainer(model=str(student_path), args=args, train_dataset=math_dataset, guards="halt")
 
 
+def test_distill_config_refuses_an_unknown_guards_mode(tmp_path):
+    """The config refuses its `guards` field as it does `preflight`: when it is made (a YAML or a command line read
+    into it), not only once a trainer is built from it."""
+    with pytest.raises(ValueError, match=r"guards must be one of \('warn', 'stop', 'off'\).*got 'halt'"):
+        OnPolicyDistillConfig(output_dir=str(tmp_path), guards="halt", **CPU)
+    assert OnPolicyDistillConfig(output_dir=str(tmp_path), guards="off", **CPU).guards == "off"
+
+
 class MainProcessBroadcast:
     """Two ranks' `from_main_process`: the main process's value, sent first, is what every rank gets."""
 

@@ -226,3 +226,33 @@ def test_report_and_states_page_show_the_flagged_checks(tmp_path):
     ]
     assert "teacher/end_after_answer" in preflight_html(runs) and "{preflight}" in PAGE
     assert preflight_html(runs[1:]) == ""
+
+
+def trained(trainer) -> tuple[list[float], dict]:
+    """Train, then the logged losses and the final weights."""
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, {name: weight.detach().clone() for name, weight in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("recipe", ["opd", "sft"])
+def test_training_is_the_same_with_the_preflight_on(tmp_path, recipe, student_path, teacher_path, math_dataset):
+    """The preflight samples in a forked random state and leaves the model as it found it: a run with it on has the
+    same losses and final weights as the run with it off."""
+    runs = {}
+    for mode in ("warn", "off"):
+        out = tmp_path / mode
+        if recipe == "opd":
+            trainer = opd_trainer(out, student_path, str(teacher_path), math_dataset, max_steps=2,
+                                  max_completion_length=16, preflight=mode, preflight_prompts=4)  # fmt: skip
+        else:
+            # with dropout, so that SFT's steps read the global random state as OPD's sampling does
+            model = AutoModelForCausalLM.from_pretrained(student_path, attention_dropout=0.3)
+            data = math_dataset.select_columns(["prompt", "completion"])
+            args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, **CPU)
+            trainer = StateLensSFTTrainer(model=model, args=args, train_dataset=data, preflight=mode)
+        runs[mode] = trained(trainer)
+        assert (out / "statelens" / "preflight.json").exists() == (mode == "warn")
+    (losses_on, weights_on), (losses_off, weights_off) = runs["warn"], runs["off"]
+    assert len(losses_on) == 2 and losses_on == losses_off
+    assert all(torch.equal(weights_on[name], weights_off[name]) for name in weights_off)

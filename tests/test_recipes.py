@@ -213,6 +213,36 @@ def test_recipe_rejects_an_unknown_eval_protocol(tmp_path, monkeypatch, student_
     assert not (tmp_path / "x" / "eval").exists()  # refused before any work
 
 
+@pytest.mark.parametrize("recipe", ["sft", "grpo"])
+def test_recipe_sets_the_trainers_guards_and_preflight(tmp_path, student_path, teacher_path, recipe):
+    """`guards`, `preflight` and `preflight_prompts` are the StateLens trainers' keywords, not TRL config fields: the
+    SFT and GRPO recipes take them as their own arguments. With `--guards off --preflight off` the trainer holds no
+    guard and a step writes no preflight.json; by default it holds both; a bad mode is refused as it is read."""
+    from trl_statelens import RunGuards
+    from trl_statelens.preflight import PreflightCallback
+
+    namespace = runpy.run_path(str(RECIPES / f"{recipe}.py"))  # the recipe's functions, as `statelens preflight` does
+
+    def build(*flags):
+        out = ["--output_dir", str(tmp_path / "_".join(flags or ("default",))), "--max_steps", "1", "--use_cpu"]
+        argv = [*model_flags(recipe, student_path, teacher_path), *out, *RECIPE_FLAGS[recipe], *flags]
+        return namespace["build_trainer"](*namespace["parse_arguments"](argv))[0]
+
+    def held(trainer, kind):
+        return any(isinstance(callback, kind) for callback in trainer.callback_handler.callbacks)
+
+    off = build("--guards", "off", "--preflight", "off")
+    assert not held(off, RunGuards) and not held(off, PreflightCallback)
+    off.train()
+    assert (Path(off.args.output_dir) / "statelens" / "steps.jsonl").exists()  # it trained, with its records
+    assert not (Path(off.args.output_dir) / "statelens" / "preflight.json").exists()
+    default = build()
+    assert held(default, RunGuards) and held(default, PreflightCallback)
+    assert build("--preflight_prompts", "4")._preflight_prompts == 4
+    with pytest.raises(ValueError, match="guards must be one of"):
+        namespace["parse_arguments"](["--output_dir", str(tmp_path / "bad"), "--guards", "halt"])
+
+
 def test_resolve_model_passes_hub_ids_and_refuses_missing_paths(tmp_path):
     from trl_statelens.reports.runs import resolve_model
 

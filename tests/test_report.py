@@ -597,3 +597,37 @@ def test_a_panel_of_several_metrics_per_run_colours_the_metrics_and_styles_the_r
         assert first.get_linestyle() != second.get_linestyle()
     legend = [text.get_text() for text in top.get_legend().get_texts()]
     assert legend == [*metrics, "first", "second"]
+
+
+def test_guard_firings_are_a_section_near_the_top_and_lines_at_their_steps(runs, tmp_path, monkeypatch):
+    """`statelens/guards.jsonl`: each firing is a row of the Guards section (beside the preflight's, before Table 2)
+    and a vertical line at its step on the per-step plots; a run whose guards stayed quiet says so, one without the
+    file is left out."""
+    from trl_statelens.reports import plots
+
+    firing = {"step": 12, "guard": "loop", "metric": "statelens/ends/repeats", "value": 0.5, "reference": 0.1,
+              "threshold": 0.25, "message": "repeats rose from 0.1 to 0.5", "action": "warn"}  # fmt: skip
+    (runs["opd"] / "statelens" / "guards.jsonl").write_text(json.dumps(firing) + "\n")
+    (runs["sft"] / "statelens" / "guards.jsonl").write_text("")
+    figures = {}
+    save = plots.save
+    monkeypatch.setattr(
+        plots, "save", lambda figure, out, name: (figures.update({name: figure}), save(figure, out, name))[1]
+    )
+    text = write_report([runs["sft"], runs["stock"], runs["opd"]], tmp_path / "report").read_text()
+    assert text.index("## Guards (during training)") < text.index("## Scores, drift and retention")
+    table = markdown_table(text, "Guards (during training)")
+    assert list(table) == ["mild-sft", "opd"]
+    assert table["mild-sft"]["guard"] == "no guard fired"
+    assert (table["opd"]["step"], table["opd"]["guard"], table["opd"]["action"]) == ("12", "loop", "warn")
+    assert table["opd"]["message"] == firing["message"]
+    assert "mark the steps at which its guards fired" in text
+
+    def vertical_lines_at(ax):
+        return [line for line in ax.lines if list(line.get_xdata()) == [12, 12]]
+
+    for name in ("state_curves.png", "drift.png", "teacher_kl.png"):
+        for ax in figures[name].axes:
+            assert len(vertical_lines_at(ax)) == 1, name  # the opd run's firing; the quiet run draws none
+    opd_colour = figures["teacher_kl.png"].axes[0].lines[0].get_color()
+    assert vertical_lines_at(figures["teacher_kl.png"].axes[0])[0].get_color() == opd_colour

@@ -286,3 +286,50 @@ def test_the_flops_parts_sum_to_the_total_with_every_count_on(continuation):
     assert flops["teacher_scoring"] == pytest.approx(scoring)
     writing = 2 * 5 * (15 + 25) + continuation * 2 * 5 * (100 + 300 - 20 + 40)
     assert flops["teacher_writing"] == pytest.approx(writing)
+
+
+@pytest.mark.parametrize("signal", ["divergence", "continuation"])
+def test_training_flops_count_at_the_steps_that_train_on_a_generation_batch(
+    tmp_path, student_path, teacher_path, math_dataset, signal
+):
+    """steps_per_generation = 2 x gradient_accumulation_steps: each generation batch is sampled at one step and
+    trained on at two. The sampling (and the `continuation` teacher's reading of the rollouts) counts at the step
+    that samples; the student's training on the rollouts, and a `divergence` teacher's scoring in the loss, half at
+    each of the two steps (a continuation's supervised tokens, at the step that trains on them). The run's totals
+    stay `results.json`'s. (The second step's `flops/student_training` was 0.)"""
+    tokens_seen = TokensSeen()
+    cut = signal == "continuation"
+    trainer = OnPolicyDistillTrainer(
+        model=str(student_path),
+        teacher_model=str(teacher_path),
+        args=opd_config(
+            tmp_path,
+            max_steps=4,
+            per_device_train_batch_size=2,
+            steps_per_generation=2,
+            signal=signal,
+            **({"continuation_length": 4} if cut else {}),
+        ),  # fmt: skip
+        train_dataset=math_dataset.select(range(16)),
+        callbacks=[StateLoggingCallback(sample_rate=0.0), tokens_seen],
+    )
+    trainer.train()
+    steps = [json.loads(line) for line in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+    student, teacher = matmul_parameters(trainer.model), matmul_parameters(trainer.teacher.model)
+    seen = tokens_seen.seen
+    assert seen[1] == seen[2] > 0 and seen[3] == seen[4] > seen[2]  # sampled at steps 1 and 3
+    for step, line in enumerate(steps, start=1):
+        first = step if step % 2 else step - 1  # the step that sampled this step's generation batch
+        batch, sampled, supervised = (
+            seen[first] - seen[first - 1],
+            seen[step] - seen[step - 1],
+            line["supervised_tokens"],
+        )
+        assert line["flops/student_generation"] == pytest.approx(2 * student * sampled)
+        assert line["flops/student_training"] == pytest.approx(6 * student * (batch / 2 + cut * supervised))
+        scored = 4 * (sampled + supervised) if cut else batch  # divergence: 2 N_T per token, half the batch a step
+        assert line["flops/teacher"] == pytest.approx(teacher * scored)
+    counts = compute_counts(trainer)
+    for part, value in {**counts["flops_by_part"], "total": counts["flops"]}.items():
+        assert steps[-1][f"flops_total/{part}"] == pytest.approx(value)
+        assert value == pytest.approx(sum(line[f"flops/{part}"] for line in steps))

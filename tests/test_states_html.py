@@ -261,6 +261,34 @@ def test_page_embeds_each_sequences_teacher(tmp_path):
     assert page_data([load_run(tmp_path / "one")])["teachers"] == []  # the page offers no teacher filter then
 
 
+def test_page_shows_the_guard_firings(tmp_path):
+    """Beside the preflight's table, the guards' firings of each run that recorded them (`guards.jsonl`), as the
+    report shows them; `no guard fired` for a run whose guards stayed quiet, no table when no run has the file."""
+    for name in ("fired", "quiet", "unwatched"):
+        synthetic_ledger(tmp_path / name, num_sequences=2, num_steps=2, tokens=3)
+    firing = {"step": 7, "guard": "loop", "metric": "statelens/ends/repeats", "value": 0.5, "reference": 0.0,
+              "threshold": 0.25, "message": "repeats rose <0.25 -> 0.5>", "action": "warn"}  # fmt: skip
+    (tmp_path / "fired" / "statelens" / "guards.jsonl").write_text(json.dumps(firing) + "\n")
+    (tmp_path / "quiet" / "statelens" / "guards.jsonl").write_text("")
+    runs = [load_run(tmp_path / name) for name in ("fired", "quiet", "unwatched")]
+    page = write_states_page(runs, tmp_path / "states.html").read_text()
+    table = page[page.index('<table id="guards">') : page.index("</table>", page.index('<table id="guards">'))]
+    assert "<h2>Guards (during training)</h2>" in page
+    for shown in (
+        "fired",
+        "7",
+        "loop",
+        "warn",
+        "statelens/ends/repeats",
+        "0.25",
+        "repeats rose &lt;0.25 -&gt; 0.5&gt;",
+    ):
+        assert f"<td>{shown}</td>" in table
+    assert "<td>quiet</td>" in table and "<td>no guard fired</td>" in table and "unwatched" not in table
+    page = write_states_page(runs[2:], tmp_path / "none.html").read_text()
+    assert 'id="guards"' not in page and "{guards}" not in page
+
+
 # ----- what the browser shows ---------------------------------------------------------------------------------------
 VISIBLE = "Number(document.getElementById('sequences').dataset.visible)"
 

@@ -1,5 +1,5 @@
 """The ``statelens`` command: ``statelens lab build``, ``statelens lab info``, ``statelens eval``, ``statelens report``,
-``statelens guards replay``.
+``statelens preflight``, ``statelens guards replay``.
 
 Each command imports what it needs when it runs: ``statelens --help``, ``statelens lab info`` and ``statelens report
 --help`` never import torch, transformers or pandas (``tests/test_cli.py`` checks).
@@ -11,6 +11,9 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
+
+RECIPES = ("opd", "self_distill", "grpo", "sft")  # the recipes whose trainer `statelens preflight` builds
 
 
 def _lab_build(args: argparse.Namespace) -> int:
@@ -54,6 +57,69 @@ def _report(args: argparse.Namespace) -> int:
     from .reports.pages import run_report_cli
 
     return run_report_cli(args)
+
+
+def recipe_of(config: Path) -> str | None:
+    """The recipe a config file is named for: the one its name starts with ("opd_from_mild_sft" is OPD's), else the
+    one it ends with ("stress_sft"); `None` when neither."""
+    for matches in (config.stem.startswith, config.stem.endswith):
+        found = [recipe for recipe in RECIPES if matches(recipe)]
+        if found:
+            return found[0]
+    return None
+
+
+def recipe_file(recipe: str) -> Path:
+    """`recipes/<recipe>.py` of the checkout this package runs from, else of the current folder."""
+    for folder in (Path(__file__).resolve().parents[1] / "recipes", Path.cwd() / "recipes"):
+        if (folder / f"{recipe}.py").is_file():
+            return folder / f"{recipe}.py"
+    raise FileNotFoundError(
+        f"recipes/{recipe}.py not found beside this package or in the current folder: the recipes ship with the "
+        "repository, not the wheel; run `statelens preflight` from a checkout of the repository"
+    )
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    import logging
+    import runpy
+
+    config = Path(args.config)
+    recipe = args.recipe or recipe_of(config)
+    try:
+        if not config.is_file():
+            raise FileNotFoundError(f"no config file {config}")
+        if recipe is None:
+            raise ValueError(f"{config.name} names no recipe: say which builds the run, --recipe {'|'.join(RECIPES)}")
+        namespace = runpy.run_path(str(recipe_file(recipe)))  # the recipe's functions, without running its main
+        script_args, training_args, model_args = namespace["parse_arguments"](
+            ["--config", str(config), *args.overrides]
+        )
+        if script_args.baseline == "stock":
+            raise ValueError("the preflight checks StateLens trainers: leave --baseline at 'statelens'")
+        ledger = Path(training_args.output_dir) / "statelens" / "steps.jsonl"
+        if ledger.is_file() and ledger.stat().st_size:
+            raise ValueError(
+                f"{ledger.parent} holds a trained run's records, and its preflight.json is that run's: pass another "
+                "--output_dir"
+            )
+        trainer = namespace["build_trainer"](script_args, training_args, model_args)[0]
+    except (OSError, ValueError) as error:
+        print(f"statelens preflight: error: {error}", file=sys.stderr)
+        return 2
+    from .preflight import PREFLIGHT_FILE, run_preflight
+    from .preflight.verdicts import readable_block
+
+    logger = logging.getLogger("trl_statelens.preflight")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its block is printed below, once
+    try:
+        result = run_preflight(trainer, mode="warn")  # whatever the config's `preflight`: it was asked for
+    finally:
+        logger.setLevel(level)
+    print(readable_block(result))
+    print(f"written: {Path(training_args.output_dir) / 'statelens' / PREFLIGHT_FILE}")
+    return 1 if result["verdict"] == "fail" else 0
 
 
 def _guards_replay(args: argparse.Namespace) -> int:
@@ -155,6 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_arguments(report)
     report.set_defaults(func=_report)
 
+    preflight = commands.add_parser(
+        "preflight",
+        help="build a recipe's trainer from its config and run the preflight checks, without training",
+        usage="statelens preflight [-h] [--recipe RECIPE] CONFIG [--key value ...]",
+        description="Build the trainer exactly as recipes/<recipe>.py would from CONFIG and the flags after it "
+        "(`--key value`, as the recipe takes them: `--max_completion_length 2`), run the preflight's measured checks "
+        "(docs/preflight.md) without training, print the verdict of each check and write "
+        "<output_dir>/statelens/preflight.json. Exit status: 0 when every check passes or warns, 1 when a check "
+        "fails, 2 when the run cannot be built (a bad config or flag).",
+        allow_abbrev=False,  # a recipe flag must never be read as an abbreviation of --recipe
+    )
+    preflight.add_argument("config", metavar="CONFIG", help="a recipe's YAML config (recipes/configs/...)")
+    preflight.add_argument(
+        "--recipe",
+        choices=RECIPES,
+        default=None,
+        help="the recipe that builds the run; default: the one the config's file name starts (else ends) with",
+    )
+    preflight.set_defaults(func=_preflight, takes_overrides=True)
+
     guards = commands.add_parser("guards", help="the run guards (docs/guards.md)")
     replay = guards.add_subparsers(dest="guards_command", required=True).add_parser(
         "replay", help="run the guards over recorded runs' ledgers: the step at which each would fire"
@@ -169,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and not getattr(args, "takes_overrides", False):  # only `preflight` passes flags on (to the recipe)
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
     return args.func(args)
 
 

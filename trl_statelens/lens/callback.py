@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from .. import collective
 from ..provenance import write_run_provenance
-from .compute import FLOPS_PARTS, ComputeCounter, ledger_totals, tokens_seen
+from .compute import FLOPS_PARTS, ComputeCounter, ledger_totals, tokens_seen, untrained_share
 from .drift import PrefixFeatures, probe_drift
 from .endings import ending_metrics
 from .probes import DRIFT_REFERENCE_FILE, ProbeMixin
@@ -201,6 +201,9 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
             # Every rank counts on from the main process's totals: a rank counting from none would reach `max_flops`
             # at another step than the others, and stop (or train on) alone
             self._totals = collective.from_main_process(self.trainer.accelerator, self._totals)
+            # The last generation batch's rollout tokens and teacher reads, which the steps that train on it count
+            # (a run starts, and resumes, at a batch's start)
+            self._tokens_at_step, self._generation = tokens_seen(self.trainer), (0.0, 0.0)
             self._flops_so_far = self._flops()
         if self.max_flops is not None and (not self.records_states or self._flops_so_far["total"] is None):
             raise ValueError(
@@ -253,19 +256,32 @@ class StateLoggingCallback(ProbeMixin, TrainerCallback):
                 self._append("drift.jsonl", [line])
 
     # ----- accounting ----------------------------------------------------------------------------------------
-    def _flops(self) -> dict[str, float | None]:
-        """The run's training FLOPs so far by part (`runs.compute_counts`' count, from the same totals)."""
-        return self._compute.of_ledger(tokens_seen(self.trainer), self._totals)
+    def _flops(self, untrained: float = 0.0) -> dict[str, float | None]:
+        """The run's training FLOPs so far by part (`runs.compute_counts`' count, from the same totals), less the
+        training on the `untrained` share of the last generation batch (`ComputeCounter.split`)."""
+        tokens, teacher_reads = self._generation
+        return self._compute.of_ledger(
+            tokens_seen(self.trainer), self._totals, untrained * tokens, untrained * teacher_reads
+        )
 
     def _accounting(self, metrics: dict[str, float]) -> dict[str, float | None]:
         """`teacher_tokens_total`, and the step's (`flops/<part>`) and the run's (`flops_total/<part>`) training FLOPs
         by part: each step's is the run's so far less the run's at the step before, so the last step's totals are
-        `results.json`'s (teachers of several sizes are weighted by all the tokens each supervised so far)."""
+        `results.json`'s when the run ends at a generation batch's end (teachers of several sizes are weighted by all
+        the tokens each supervised so far). The training on a generation batch that spans steps counts at each step
+        by its share of the batch's micro-batches."""
         self._totals = ledger_totals([self._totals, metrics])
         accounting = {}
         if "teacher_tokens" in metrics:
             accounting["teacher_tokens_total"] = self._totals["teacher_tokens"]
-        flops, before = self._flops(), self._flops_so_far
+        tokens = tokens_seen(self.trainer)
+        untrained, began = untrained_share(self.trainer)
+        if began and tokens > self._tokens_at_step:  # this step sampled: its counts are its batches' (alike in size)
+            sampled = tokens - self._tokens_at_step
+            reads = sampled + metrics.get("teacher_context_tokens", 0.0) - metrics.get("teacher_skipped_tokens", 0.0)
+            self._generation = (sampled / began, reads / began)
+        self._tokens_at_step = tokens
+        flops, before = self._flops(untrained), self._flops_so_far
         for part in (*FLOPS_PARTS, "total"):
             step = None if flops[part] is None or before[part] is None else flops[part] - before[part]
             accounting[f"flops/{part}"], accounting[f"flops_total/{part}"] = step, flops[part]

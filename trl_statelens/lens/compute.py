@@ -80,6 +80,20 @@ def tokens_seen(trainer) -> float:
     return tokens
 
 
+def untrained_share(trainer) -> tuple[float, int]:
+    """At an optimizer step's end: the share of the last generation batch's micro-batches the student has not
+    trained on yet, and how many generation batches the step began. GRPO samples a batch for `steps_per_generation`
+    x `num_iterations` micro-batches (counted from the start or resume of training, at a batch's start), which can
+    span optimizer steps; `(0.0, 0)` for a trainer that does not sample."""
+    args, micro_steps = trainer.args, getattr(trainer, "_step", None)
+    if not hasattr(args, "steps_per_generation") or micro_steps is None:
+        return 0.0, 0
+    period = args.steps_per_generation * getattr(args, "num_iterations", 1)
+    start = micro_steps - args.gradient_accumulation_steps
+    began = (micro_steps - 1) // period - (start - 1) // period  # batch starts among the step's micro-batches
+    return (-micro_steps) % period / period, began
+
+
 @dataclass
 class ComputeCounter:
     """What a trainer's FLOPs are counted from: the student's matmul parameters, each teacher's (`teacher_sizes`,
@@ -117,6 +131,12 @@ class ComputeCounter:
     (`cache_reused_completion_tokens`, 2 each), and a teacher of another tokenizer, which keeps nothing of its forward,
     runs it again over its own tokens of the reused rows (`cache_reused_teacher_tokens`, 2 N_T each).
 
+    A generation batch can span optimizer steps (`steps_per_generation` x `num_iterations` micro-batches above
+    `gradient_accumulation_steps`): its sampling counts at the step that samples it, but the student's training on
+    its tokens, and with the `divergence` signal the teacher's scoring (in the loss), count at the steps that train on
+    it, by their share of its micro-batches ([`untrained_share`]: `untrained_tokens` and `untrained_teacher_reads`
+    are the sampled tokens not trained on yet).
+
     N_T is the teacher's size: the student's for a self teacher;
     with several teachers, their sizes weighted by the tokens each supervised (`supervised_tokens/<name>`). A teacher
     on a server has a size this process cannot know: its FLOPs are then `None`, and so is the total.
@@ -128,6 +148,9 @@ class ComputeCounter:
     reference: bool
     continuation: bool
     teacher_head: int = 0  # the teacher's output layer, run again on a reused batch (an in-process `divergence`)
+    teacher_scores_in_loss: bool = (
+        False  # `divergence`: the teacher's forward runs with the student's, per micro-batch
+    )
 
     @classmethod
     def of(cls, trainer) -> ComputeCounter:
@@ -141,6 +164,7 @@ class ComputeCounter:
             reference=samples and bool(getattr(args, "beta", 0.0)) and getattr(trainer, "ref_model", None) is not None,
             continuation=getattr(args, "signal", None) == "continuation",
             teacher_head=_cached_teacher_head(trainer),
+            teacher_scores_in_loss=getattr(args, "signal", None) == "divergence",
         )
 
     def teacher(self, totals: dict | None = None) -> float | None:
@@ -159,6 +183,8 @@ class ComputeCounter:
         cache: dict | None = None,
         teacher_generation: float = 0.0,
         teacher_prefix_saved: float = 0.0,
+        untrained_tokens: float = 0.0,
+        untrained_teacher_reads: float = 0.0,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
         counts them), `supervised` tokens, `teacher_context` tokens (`teacher_context_tokens`: a self teacher's extra
@@ -168,13 +194,18 @@ class ComputeCounter:
         `cache_reused_completion_tokens`, `cache_reused_teacher_tokens`, `cache_checked_tokens`: [`cache_counts`]);
         `teacher_generation`, the tokens of the teacher's forwards writing `teacher` states ([`teacher_generation`],
         2 N_T each); `teacher_prefix_saved`, the prompt positions a shared-prefix forward stood in for less that
-        forward's own tokens each time it ran ([`teacher_prefix_saved`]), off the teacher's scoring."""
+        forward's own tokens each time it ran ([`teacher_prefix_saved`]), off the teacher's scoring;
+        `untrained_tokens` and `untrained_teacher_reads`, of the last generation batch, not trained on yet (left out
+        of the parts that run at training)."""
         student, teacher, cache = self.student, self.teacher(totals), cache or {}
         teacher_reads = tokens + teacher_context - teacher_skipped
+        if self.teacher_scores_in_loss:
+            teacher_reads -= untrained_teacher_reads
         reused, checked = cache.get("cache_reused_tokens", 0.0), cache.get("cache_checked_tokens", 0.0)
         parts = {
             "student_generation": 2 * student * tokens if self.samples else 0.0,
-            "student_training": (6 + 2 * self.reference) * student * tokens + student * (6 * reused + 2 * checked),
+            "student_training": (6 + 2 * self.reference) * student * (tokens - untrained_tokens)
+            + student * (6 * reused + 2 * checked),
             "teacher_scoring": None,
             "teacher_writing": None,
         }
@@ -193,9 +224,12 @@ class ComputeCounter:
         known = [value for value in parts.values() if value is not None]
         return {**parts, "total": sum(known) if len(known) == len(parts) else None}
 
-    def of_ledger(self, tokens: float, totals: dict) -> dict:
+    def of_ledger(
+        self, tokens: float, totals: dict, untrained_tokens: float = 0.0, untrained_teacher_reads: float = 0.0
+    ) -> dict:
         """[`split`] of `tokens` with every count read from the ledger's summed `totals` ([`ledger_totals`]): the run's
-        FLOPs so far, as the ledger's `flops_total/*` and `results.json`'s `compute` count them."""
+        FLOPs so far, as the ledger's `flops_total/*` and `results.json`'s `compute` count them (less the last
+        generation batch's `untrained_*` share, for the per-step records)."""
         return self.split(
             tokens,
             totals.get("supervised_tokens", 0.0),
@@ -205,6 +239,8 @@ class ComputeCounter:
             cache_counts(totals),
             teacher_generation(totals),
             teacher_prefix_saved(totals),
+            untrained_tokens,
+            untrained_teacher_reads,
         )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from trl import DistillationConfig, GRPOConfig
 
+from ..guards import check_mode
 from ..preflight import check_preflight_settings
 from .config_checks import MIX_SOURCES, SIGNALS, TEACHER_MODEL_KINDS, ConfigChecks
 
@@ -412,6 +413,7 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     def __post_init__(self):
         if isinstance(self.state_source_mix, str):  # parsed early: it is checked before GRPO's own checks
             self.state_source_mix = json.loads(self.state_source_mix)
+        check_mode(self.guards)
         check_preflight_settings(self.preflight, self.preflight_prompts)
         if self.signal not in SIGNALS:
             raise ValueError(f"signal={self.signal!r} is not one of {SIGNALS}")

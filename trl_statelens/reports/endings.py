@@ -16,6 +16,7 @@ import numpy as np
 
 from ..answers import repeats_itself
 from .figures import METRIC_COLORS, metrics_and_runs_legend, new_figure, save
+from .guards import mark_guard_steps
 from .run_folders import Run, column
 
 # how an end-of-sequence token reads in a ledger sequence recorded before its `end` field: `<|im_end|>`, `</s>`, ...
@@ -112,6 +113,9 @@ def plot_endings(runs, styles, out_dir: Path) -> Path | None:
                            linewidth=style["width"], label=f"{label}: {what}")  # fmt: skip
                 drawn[what], runs_drawn[label] = (color, points_only), style
         metrics_and_runs_legend(panel, drawn, {label: runs_drawn[label] for label in curves if label in runs_drawn})
+    for run in runs:  # the colours here are the metrics': the guards' steps in grey
+        if run.label in curves:
+            mark_guard_steps((top, bottom), run, {"color": "dimgray"})
     top.set_ylabel("share of rollouts")
     top.set_ylim(-0.02, 1.02)
     top.set_title("How rollouts end, and how many repeat themselves")

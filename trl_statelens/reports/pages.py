@@ -23,6 +23,7 @@ import html
 import sys
 from pathlib import Path
 
+from .guards import guard_blocks
 from .plots import plot_blocks
 from .preflight import preflight_blocks
 from .run_folders import RUN_FOLDER_CONTENTS, load_run, make_labels_unique
@@ -144,6 +145,7 @@ def write_report(run_dirs, out_dir, base=None) -> Path:
     blocks = (
         provenance_blocks
         + preflight_blocks(runs)
+        + guard_blocks(runs)
         + table2(runs, base_scores, base_source)
         + state_table(runs)
         + teacher_table(runs)

@@ -20,6 +20,7 @@ from .figures import (
     plot_curve,
     save,
 )
+from .guards import MARKS_TEXT, guard_steps, mark_guard_steps
 from .run_folders import (
     TARGET_METRIC,
     TARGET_TASK,
@@ -52,6 +53,7 @@ def plot_state_curves(runs, styles, out_dir) -> Path | None:
         gap = column(run.steps, "offpolicy_gap")
         if gap is not None:
             plot_curve(gap_ax, steps, gap, styles[run.label], run.label)
+        mark_guard_steps((nll_ax, gap_ax), run, styles[run.label])
     nll_ax.set_title("Learner NLL of the supervised tokens (state_nll)")
     nll_ax.set_ylabel("state_nll (nats)")
     gap_ax.set_title("Off-policy gap: state_nll - state_entropy (about 0 for self-sampled tokens)")
@@ -102,6 +104,7 @@ def plot_drift(runs, styles, out_dir) -> Path | None:
         sliced = column(run.drift, "sliced_wasserstein")
         if sliced is not None:
             plot_curve(sw_ax, steps, sliced, styles[run.label], run.label, smooth=False)
+        mark_guard_steps(axes, run, styles[run.label])
     mmd_ax.set_title("Probe drift of the learner's own states vs step 0: MMD²")
     mmd_ax.set_ylabel("MMD² (RBF kernel)")
     sw_ax.set_title("Probe drift: sliced Wasserstein distance")
@@ -160,12 +163,13 @@ def plot_tradeoff(runs, styles, out_dir, base_scores: dict | None) -> Path | Non
 
 
 def plot_teacher_kl(runs, styles, out_dir) -> Path | None:
-    curves = {run.label: curve for run in runs if (curve := teacher_kl_curve(run)) is not None}
+    curves = {run.label: (run, curve) for run in runs if (curve := teacher_kl_curve(run)) is not None}
     if not curves:
         return None
     figure, (ax,) = new_figure()
-    for label, (steps, values) in curves.items():
+    for label, (run, (steps, values)) in curves.items():
         plot_curve(ax, steps, values, styles[label], label)
+        mark_guard_steps((ax,), run, styles[label])
     ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("sampled reverse KL (nats per token)")
@@ -285,6 +289,7 @@ def plot_teacher_disagreement(runs, styles, out_dir) -> Path | None:
             if column(run.drift, dashed) is not None:
                 ax.plot(steps, column(run.drift, dashed), color=style["color"], linestyle="--", linewidth=1.0)
         plot_curve(length_ax, steps, column(run.drift, "probe_tokens"), style, run.label, smooth=False)
+        mark_guard_steps((states_ax, kind_ax, length_ax), run, style)
     states_ax.set_title("Reverse KL to the teacher, probe states: own (solid), step-0 (dashed)")
     kind_ax.set_title("... by token: number tokens (solid), the rest (dashed)")
     length_ax.set_title("Probe completion length (tokens)")
@@ -348,6 +353,7 @@ def plot_reward_signal(runs, styles, out_dir) -> Path | None:
         tokens = column(run.steps, "weight/nonzero_frac")
         if tokens is not None:
             steps_ax.plot(steps, tokens, color=style["color"], linestyle=":", label=f"{run.label}: tokens")
+        mark_guard_steps((steps_ax,), run, style)
         groups = read_jsonl(run.path / "statelens" / "groups.jsonl", run.notes)
         if groups is not None and "solution_steps" in groups:
             groups = groups.dropna(subset=["solution_steps"])
@@ -488,6 +494,8 @@ def plot_blocks(runs: list[Run], out_dir: Path, base_scores: dict | None) -> lis
             "drawn faint, with a moving average over 2% of the steps on top; probe drift is drawn as measured.",
         ),
     ]
+    if any(guard_steps(run) for run in runs):
+        blocks.append(Block("text", MARKS_TEXT))
     for title, draw, missing in plots:
         path = draw()
         blocks.append(Block("image", title, image=path) if path else note(f"No plot '{title}': {missing}."))

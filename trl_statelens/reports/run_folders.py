@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..guards import GUARDS_FILE
 from ..provenance import read_run_provenance
 
 TARGET_TASK = "gsm8k"
@@ -34,6 +35,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     steps_are_averages: bool = False  # `steps` rebuilt from log_history.json's averages, not the per-step ledger
     provenance: dict | None = None  # `statelens/provenance.json`, else results.json's `provenance`
+    guard_firings: list[dict] | None = None  # `statelens/guards.jsonl`: [] when the guards watched and none fired
 
     def evaluation(self, which: str) -> dict | None:
         """Task scores of the `before` or `after` evaluation, or None."""
@@ -146,7 +148,23 @@ def load_run(path: str | Path) -> Run:
         notes=notes,
         steps_are_averages=steps_are_averages,
         provenance=read_run_provenance(path),
+        guard_firings=read_guard_firings(path),
     )
+
+
+def read_guard_firings(path: Path) -> list[dict] | None:
+    """The guard firings a run recorded (`statelens/guards.jsonl`, one per line; docs/guards.md), `[]` when its guards
+    watched and none fired, `None` without the file (guards off, or a run from before them)."""
+    record = path / "statelens" / GUARDS_FILE
+    if not record.is_file():
+        return None
+    firings = []
+    for line in record.read_text(encoding="utf-8").splitlines():
+        try:
+            firings.append(json.loads(line))
+        except json.JSONDecodeError:  # blank, or the torn last line of a run killed while writing it
+            continue
+    return firings
 
 
 def make_labels_unique(runs: list[Run]) -> None:

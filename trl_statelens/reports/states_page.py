@@ -10,6 +10,7 @@ SVG, no library, no network), so it works opened from disk. It shows:
 - filters by run, step range, source and reward (and by teacher, with a run of several teachers, whose tokens can
   also be coloured by which teacher answers their row), and a sort by off-policy gap or teacher KL, 40 sequences a
   page;
+- the preflight's flagged checks and the run guards' firings, when the runs recorded them (the report's tables);
 - per run, the prefix-length histogram over steps as a heatmap (from `steps.jsonl`), and state and drift metrics
   over steps; dragging across a chart or the heatmap sets the step filter, double-click clears it.
 
@@ -28,6 +29,7 @@ import html
 import json
 from pathlib import Path
 
+from .guards import guards_html
 from .preflight import preflight_html
 from .states_data import MAX_SEQUENCES, MAX_TOKENS, page_data
 
@@ -38,7 +40,7 @@ def write_states_page(runs, path, max_sequences: int = MAX_SEQUENCES, max_tokens
     data = data.replace("</", "<\\/")  # no `</script>` inside the data block
     title = "StateLens states: " + ", ".join(run.label for run in runs)
     page = PAGE.replace("{title}", html.escape(title)).replace("{style}", STYLE).replace("{script}", SCRIPT)
-    page = page.replace("{preflight}", preflight_html(runs))
+    page = page.replace("{preflight}", preflight_html(runs)).replace("{guards}", guards_html(runs))
     page = page.replace("{data}", data)  # last: the data may hold any text, including the placeholders
     path = Path(path)
     path.write_text(page, encoding="utf-8")
@@ -52,7 +54,7 @@ PAGE = """<!DOCTYPE html>
 <style>{style}</style></head>
 <body>
 <h1>StateLens states</h1>
-{preflight}<p id="summary"></p>
+{preflight}{guards}<p id="summary"></p>
 <div id="errors" hidden></div>
 <div id="layout">
 <section id="left">
