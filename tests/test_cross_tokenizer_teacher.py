@@ -94,6 +94,7 @@ def test_same_tokenizer_through_the_cross_tokenizer_path_trains_as_the_direct_pa
         runs[kind] = (_trained_parameters(trainer), trainer.state.log_history[0])
     (direct, direct_log), (cross, cross_log) = runs["direct"], runs["cross"]
     assert cross_log["alignment/exact"] == 1.0 and "alignment/exact" not in direct_log
+    assert cross_log["alignment/per_decision_exact"] == 1.0  # one vocabulary: every value is the decision's
     assert_trained_alike(direct, direct_log, cross, cross_log, math_trained_path)
 
 
@@ -182,6 +183,10 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     assert any(extra_tokens)
     exact = [e["alignment/exact"] for e in trainer.state.log_history if "alignment/exact" in e]
     assert len(exact) == 2 and all(0.0 < share < 1.0 for share in exact)
+    # `alignment/per_decision_exact`: of the exact values, those that are the teacher's probability of the student's
+    # decision (teachers/decisions.py); never more than the exact share
+    per_decision = [e["alignment/per_decision_exact"] for e in trainer.state.log_history if "alignment/exact" in e]
+    assert all(0.0 < share <= whole for share, whole in zip(per_decision, exact, strict=True))
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert all(torch.isfinite(torch.tensor(losses)))
     # The ledger: per supervised token, whether the teacher's value is exact; a chunk's shared-out values sum to the
@@ -616,6 +621,7 @@ def test_divergence_from_a_teacher_of_another_tokenizer_trains_and_logs_what_was
     assert len(logged) == 2
     for entry in logged:
         assert 0.0 < entry["alignment/mapped"] <= 1.0 and 0.0 < entry["alignment/exact"] <= 1.0
+        assert 0.0 < entry["alignment/per_decision_exact"] <= entry["alignment/exact"]
         assert 0.0 <= entry["alignment/leftover"] < 1e-6  # every teacher token reaches a student token on this pair
         assert torch.isfinite(torch.tensor(entry["loss"])) and entry["loss"] > 0
     assert min(e["alignment/mapped"] for e in logged) < 1.0

@@ -227,9 +227,9 @@ def test_where_both_tokenizations_agree_token_for_token_the_value_is_the_decisio
 
 
 def test_a_chunk_is_a_share_and_an_unmoved_digit_before_a_longer_teacher_number_is_a_bound():
-    """Student `1`, `2` against the teacher's `12`: both chunk shares. Student `3` then `+` against the teacher's `3`,
-    `+` where the teacher has `+ `... and `1` alone against a teacher that has `12`: served (ends not moved) it is a
-    bound, moved it is the decision."""
+    """The student's `1` before `+`, against a teacher that has `12` and `123`: its value is the teacher's `1` alone,
+    a bound, where nothing was moved (a served teacher); with the teacher's "goes on" mass moved onto it, the
+    decision. The student's `1`, `2` against the teacher's `12`: both chunk shares."""
     text = b"1+3"
     student_ids = longest_match(text, DIGITS_STUDENT)
     teacher = ToyTeacher(DIGITS_TEACHER, 1)

@@ -134,11 +134,12 @@ def check_before_loading(
 class TextReading(NamedTuple):
     """A row as a [`CrossTokenizerTeacher`] reads it for the `divergence` loss, made when the batch is scored: its
     prompt and its spelling of the student's completion in the teacher's tokens, and how that spelling aligns with the
-    student's tokens. Its `signal` is read as a [`RowScores`]' is (`resolved_signal`)."""
+    student's tokens. Its `signal` and `decision` are read as a [`RowScores`]' are (`resolved_signal`)."""
 
     prompt: list[int]
     completion: list[int]
     alignment: TokenAlignment
+    decision: torch.Tensor
 
     @property
     def signal(self) -> torch.Tensor:
@@ -214,9 +215,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         if distribution:
             readings = self._read_on_every_rank(
                 lambda: [
-                    TextReading(
-                        prompt, teacher_ids, align_token_ids(ids, teacher_ids, self.student_vocab, self.teacher_vocab)
-                    )
+                    self._reading(prompt, ids, teacher_ids)
                     for prompt, ids, teacher_ids in zip(prompts, completions, teacher_completions, strict=True)
                 ]
             )
@@ -227,6 +226,11 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             scores, end_logmass = self._score_rows(prompts, teacher_completions), None
         carried = self._carry(completions, teacher_completions, scores, end_logmass)
         return batch_rows(answered(carried), len(carried))
+
+    def _reading(self, prompt, student_ids, teacher_ids) -> TextReading:
+        alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+        decision = self._decisions(alignment, student_ids, teacher_ids, ends_moved=bool(self.movable.any()))
+        return TextReading(prompt, teacher_ids, alignment, decision)
 
     def _scores_and_end_logmass(self, prompts, teacher_completions) -> tuple[list[RowScores], list[torch.Tensor]]:
         """`_score_rows`' answers, and per row and teacher completion token the log-prob of the teacher writing any

@@ -24,6 +24,7 @@ from .alignment import (
 )
 from .base import RowScores, joined
 from .byte_vocab import ByteVocabulary, byte_vocabulary, special_token_map, unmapped_special_message
+from .decisions import decision_kinds, decision_table
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ class ReadsText:
         # the teacher's "its token ends here" is moved onto the student's next token (`alignment.move_teacher_ends`)
         extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
         self.movable = torch.tensor([spelled in extended for spelled in self.student_vocab.token_bytes])
+        # which carried values are the teacher's probability of the student's decision (`alignment/per_decision_exact`)
+        self.decision_table = decision_table(self.student_vocab, self.teacher_vocab)
         self._teacher_sorted = None  # the teacher's spellings in order, with their ids: sorted on first use (the ends
         # terms of an in-process teacher whose tokens extend the student's; a served one never asks)
         self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
@@ -322,8 +325,15 @@ class ReadsText:
             alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
             moved = None if end_logmass is None else end_logmass[i]
             values, signal = self._carried_row(alignment, student_ids, row.logps, moved)
-            carried.append(RowScores(values, signal=signal))
+            decision = self._decisions(alignment, student_ids, teacher_ids, moved is not None)
+            carried.append(RowScores(values, signal=signal, decision=decision))
         return carried
+
+    def _decisions(self, alignment: TokenAlignment, student_ids, teacher_ids, ends_moved: bool) -> torch.Tensor:
+        """Per student token, whether its carried value is the teacher's probability of the student's decision
+        ([`decisions.decision_kinds`]; `ends_moved`: whether `move_teacher_ends` ran on the row)."""
+        moved = self.movable if ends_moved else None
+        return decision_kinds(alignment, student_ids, teacher_ids, self.decision_table, moved)
 
     def _carried_row(self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None):
         """One row of `_carry`, its alignment made: `(values, signal)` on the student's tokens."""
