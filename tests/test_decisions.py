@@ -99,13 +99,17 @@ class ToyTeacher:
 
 def reference(teacher: ToyTeacher, text: bytes, student_ids, student_tokens, chosen_end) -> list[float | None]:
     """`D` per student token: P(text up to its end, chosen cuts up to there) / P(text up to its start, chosen cuts up
-    to there); `None` where the condition has no mass (a chosen cut the teacher never makes)."""
+    to there), where the chosen cuts are the student's that the teacher's own tokens of the text make too; `None`
+    where the condition has no mass."""
     ends, cuts, out = [0], set(), []
+    teacher_cuts = {0}
+    for t in longest_match(text, teacher.tokens):
+        teacher_cuts.add(max(teacher_cuts) + len(teacher.tokens[t]))
     for i in student_ids:
         ends.append(ends[-1] + len(student_tokens[i]))
     for k, i in enumerate(student_ids):
         before = teacher.prefix_probability(text[: ends[k]], frozenset(cuts))
-        if chosen_end[i]:
+        if chosen_end[i] and ends[k + 1] in teacher_cuts:
             cuts.add(ends[k + 1])
         after = teacher.prefix_probability(text[: ends[k + 1]], frozenset(cuts))
         out.append(after / before if before > 0 else None)

@@ -5,7 +5,8 @@ The student's decision at a token is which token comes next, given the text so f
 the teacher's probability that the text goes on with the token's bytes, summed over its spellings in teacher tokens,
 continuations included, given the text so far and where the student chose to end its tokens. A student token that
 another student token starts with (`ab` beside `abc`) ends by the student's choice: there the teacher must end a token
-too (in `D`'s event, and in what it is conditioned on). Any other student token (a digit against a teacher that keeps
+too (in `D`'s event, and in what it is conditioned on, where the teacher's own tokens of the text end there too: a
+cut the teacher's tokenizer never makes conditions on nothing). Any other student token (a digit against a teacher that keeps
 numbers whole) ends where the next one starts, so `D` counts every teacher token that goes on past it. Spellings are
 those the teacher's tokenizer writes: a teacher writing the text's bytes otherwise (`a`, `b` where its tokenizer writes
 `ab`) is given no mass, and a tokenizer is taken to spell a text's beginning as it spells the whole text's up to
@@ -85,13 +86,11 @@ def decision_kinds(
     kinds = [Decision.CHUNK_SHARE] * len(signal)
     settled_at = 0  # the teacher cut (an index into its boundaries) since which values are summed
     start_resolved = True  # whether the values summed since `settled_at` are exact at this token's start
-    ruled_out = False  # a cut the student chose where the teacher has none: `D` is conditioned on an impossible event
     for k, student_id in enumerate(int(i) for i in student_ids):
         j = teacher_cut.get(student_ends[k])
         chosen = bool(table.chosen_end[student_id])
-        if j is None:  # inside a teacher token
+        if j is None:  # inside a teacher token (a cut the student chose here is not in `D`'s condition)
             resolved = settled = False
-            ruled_out |= chosen
         elif chosen:  # the teacher's token ends here too, and D's event says so: nothing runs past
             resolved = settled = True
         else:
@@ -105,8 +104,8 @@ def decision_kinds(
             covered = not last_goes_on or (moved is not None and bool(moved[student_id]))
             resolved, settled = not crossing and covered, not crossing and not last_goes_on
         if signal[k] == TeacherSignal.EXACT:
-            kinds[k] = Decision.EXACT if start_resolved and resolved and not ruled_out else Decision.BOUND
+            kinds[k] = Decision.EXACT if start_resolved and resolved else Decision.BOUND
         start_resolved = resolved
-        if settled and not ruled_out:
+        if settled:
             settled_at = j
     return torch.tensor([int(kind) for kind in kinds], dtype=torch.long)
