@@ -103,7 +103,8 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
 ):
     """The teacher path names a tokenizer of other merges: the trainer builds a `CrossTokenizerTeacher`. On real
     rollouts, each row's carried log-probs are the teacher's log-probs of its own tokenization of the completion text,
-    chunk by chunk, with its "the number ends here" moved off the student's digits; the student's single digits
+    chunk by chunk, with its "its token ends here" moved off every student token no other student token goes on from
+    (the student's digits, and words the teacher ends with a token that goes on); the student's single digits
     against the teacher's whole numbers are chunks, and a step trains."""
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
@@ -123,6 +124,8 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     rows = [math_dataset[i] for i in range(4)]
     completions = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
     completions[0] = completions[0] + [tokenizer.eos_token_id]
+    # words the teacher ends with a token that goes on (` stones` as ` st`, `on`, `es`), as the student's rollouts write
+    completions[1] += tokenizer(" 4 stones, 7 fish and a clock.", add_special_tokens=False)["input_ids"]
     student_prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     prompts = teacher.prompts(student_prompts, rows)
     teacher_tokenizer = teacher.tokenizer
@@ -131,12 +134,17 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     own = [row.logps for row in teacher._score_rows(prompts, [teacher.respell(c) for c in completions])]
     teacher_model = AutoModelForCausalLM.from_pretrained(other_teacher_path)
     spelled_by_teacher = teacher.teacher_vocab.token_bytes
-    moved = 0
+    spelled_by_student = sorted(b for b in teacher.student_vocab.token_bytes if b)
+    free_ends = {  # (no other student token starts with its bytes)
+        b for b, following in zip(spelled_by_student, spelled_by_student[1:] + [b""]) if not following.startswith(b)
+    }
+    moved, moved_off_words = 0, 0
     for prompt, completion, carried, teacher_logps in zip(prompts, completions, scores, own):
         assert carried.logps.shape == carried.signal.shape == (len(completion),)
         assert (carried.logps[carried.signal == TeacherSignal.CHUNK_INSIDE] == 0).all()
-        # Each value that ends where a teacher token ends, on a digit: the teacher's log-prob of any token starting
-        # with that token's bytes moved onto it from the next value; checked against a forward of the teacher
+        # Each value that ends where a teacher token ends, on a token the student cannot go on from: the teacher's
+        # log-prob of any token starting with that token's bytes moved onto it from the next value; checked against a
+        # forward of the teacher
         spelled = teacher.respell(completion)
         with torch.no_grad():
             logps = teacher_model(torch.tensor([prompt + spelled])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
@@ -149,10 +157,11 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         expected, _ = student_token_teacher_logprobs(alignment, teacher_logps.float())
         carriers = (alignment.signal != TeacherSignal.CHUNK_INSIDE).nonzero()[:, 0].tolist()
         for place, k in enumerate(carriers):
-            if tokenizer.decode([completion[k]]).isdigit():
+            if teacher.student_vocab.token_bytes[completion[k]] in free_ends:
                 j = alignment.teacher_boundaries.tolist().index(int(alignment.student_boundaries[k + 1])) - 1
                 expected[k] += terms[j]
                 moved += terms[j] > 0
+                moved_off_words += terms[j] > 0 and not tokenizer.decode([completion[k]]).isdigit()
                 if place + 1 < len(carriers):
                     expected[carriers[place + 1]] -= terms[j]
         torch.testing.assert_close(carried.logps, expected, rtol=1e-4, atol=1e-4)
@@ -161,7 +170,7 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
             and tokenizer.decode([completion[i + 1]]).isdigit()
         ]  # fmt: skip
         assert digit_runs and all(carried.signal[i] == TeacherSignal.CHUNK_INSIDE for i in digit_runs)
-    assert moved > 0
+    assert moved > moved_off_words > 0
     assert teacher.respell(completions[0])[-1] == teacher_tokenizer.eos_token_id  # by role
     # What the teacher's forwards run over beyond the student's rollouts, per step: its own tokens of each prompt and
     # completion against the student's, signed (the ledger's `teacher_context_tokens`, in the teacher's FLOPs)

@@ -122,12 +122,11 @@ def carried_values(teacher, teacher_tokens, student_tokens, student_ids, text, m
     alignment = align_token_ids(student_ids, teacher_ids, student, teacher_vocab)
     logps, ends = teacher.carried(teacher_ids)
     values, _ = student_token_teacher_logprobs(alignment, logps)
-    movable = None
-    if moved:
-        extended = set(student_tokens_the_teacher_extends(student, teacher_vocab))
-        movable = torch.tensor([t in extended for t in student_tokens])
-        values = move_teacher_ends(alignment, values, student_ids, movable, ends)
     table = decision_table(student, teacher_vocab)
+    movable = None
+    if moved:  # as an in-process teacher moves them: onto every token whose end the student does not choose
+        movable = table.free_ends if moved is True else moved(student, teacher_vocab)
+        values = move_teacher_ends(alignment, values, student_ids, movable, ends)
     kinds = decision_kinds(alignment, student_ids, teacher_ids, table, movable)
     return alignment, values, kinds, table
 
@@ -244,3 +243,30 @@ def test_a_chunk_is_a_share_and_an_unmoved_digit_before_a_longer_teacher_number_
         teacher, DIGITS_TEACHER, DIGITS_STUDENT, longest_match(b"12", DIGITS_STUDENT), b"12", True
     )
     assert kinds.tolist() == [Decision.CHUNK_SHARE, Decision.CHUNK_SHARE]
+
+
+def only_tokens_the_teacher_extends(student, teacher_vocab):
+    """The ends moved only off the student's tokens that a longer teacher token starts with (its rule until
+    2026-12-06)."""
+    extended = set(student_tokens_the_teacher_extends(student, teacher_vocab))
+    return torch.tensor([t in extended for t in student.token_bytes])
+
+
+def test_a_word_the_teacher_ends_with_a_token_that_goes_on_is_the_decision_once_its_end_is_moved():
+    """The student's ` ladder` (no student token goes on from it) against the teacher's ` lad`, `der`, where the
+    teacher also has `ders`: the teacher's probability of ` ladder` is that of ` lad` then any token starting with
+    "der". Moved onto every token whose end the student does not choose, the value is that decision; moved only off
+    tokens a longer teacher token starts with (no teacher token starts with " ladder"), it stays a bound."""
+    teacher_tokens = [b" ", b"l", b"a", b"d", b"e", b"r", b"s", b"x", b" lad", b"der", b"ders"]
+    student_tokens = [b" ", b"l", b"a", b"d", b"e", b"r", b"s", b"x", b" ladder"]
+    text = b" ladder x"
+    student_ids = longest_match(text, student_tokens)
+    teacher = ToyTeacher(teacher_tokens, 2)
+    _, values, kinds, table = carried_values(teacher, teacher_tokens, student_tokens, student_ids, text, True)
+    truth = reference(teacher, text, student_ids, student_tokens, table.chosen_end)
+    assert kinds.tolist() == [Decision.EXACT] * 3
+    assert values.tolist() == pytest.approx([math.log(d) for d in truth], abs=1e-9)
+    _, narrow, kinds, _ = carried_values(
+        teacher, teacher_tokens, student_tokens, student_ids, text, only_tokens_the_teacher_extends
+    )
+    assert kinds[0] == Decision.BOUND and math.exp(narrow[0]) < truth[0] * 0.99

@@ -55,6 +55,12 @@ class DecisionTable:
     teacher_bytes: tuple[bytes | None, ...]
     teacher_sorted: list[bytes]
 
+    @property
+    def free_ends(self) -> torch.Tensor:
+        """The student ids whose end the student does not choose (no other student token starts with their bytes):
+        where [`alignment.move_teacher_ends`] moves the teacher's "goes on" mass onto a value, it is the decision's."""
+        return ~self.chosen_end
+
     def teacher_goes_on(self, spelled: bytes) -> bool:
         """Whether a teacher token's bytes start with `spelled` and are longer."""
         after = bisect.bisect_right(self.teacher_sorted, spelled)
