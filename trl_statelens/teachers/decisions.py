@@ -49,11 +49,12 @@ class DecisionTable:
     """What [`decision_kinds`] reads of a tokenizer pair, built once ([`decision_table`]). `chosen_end` `(V_student,)`:
     whether the student ended a token of that id by choice (another student token starts with its bytes; a special
     token). `teacher_bytes`: each teacher id's bytes (`None` for a special token); `teacher_sorted`: every teacher
-    spelling, sorted."""
+    spelling, sorted; `teacher_longest`: the longest one's length."""
 
     chosen_end: torch.Tensor
     teacher_bytes: tuple[bytes | None, ...]
     teacher_sorted: list[bytes]
+    teacher_longest: int
 
     @property
     def free_ends(self) -> torch.Tensor:
@@ -71,10 +72,12 @@ def decision_table(student_vocab: ByteVocabulary, teacher_vocab: ByteVocabulary)
     student = sorted({spelled for spelled in student_vocab.token_bytes if spelled})
     goes_on = {s for s, following in zip(student, student[1:]) if following.startswith(s)}
     chosen_end = torch.tensor([spelled is None or spelled in goes_on for spelled in student_vocab.token_bytes])
+    teacher_sorted = sorted({spelled for spelled in teacher_vocab.token_bytes if spelled})
     return DecisionTable(
         chosen_end=chosen_end,
         teacher_bytes=teacher_vocab.token_bytes,
-        teacher_sorted=sorted({spelled for spelled in teacher_vocab.token_bytes if spelled}),
+        teacher_sorted=teacher_sorted,
+        teacher_longest=max(map(len, teacher_sorted), default=0),
     )
 
 
@@ -86,7 +89,8 @@ def decision_kinds(
     `movable`; `None` where nothing was moved, as for a served teacher). One pass over the row; the only lookups are
     in the teacher's sorted spellings."""
     student_ends = alignment.student_boundaries[1:].tolist()
-    teacher_cut = {offset: j for j, offset in enumerate(alignment.teacher_boundaries.tolist())}
+    teacher_offsets = alignment.teacher_boundaries.tolist()
+    teacher_cut = {offset: j for j, offset in enumerate(teacher_offsets)}
     pieces = [table.teacher_bytes[int(t)] if int(t) < len(table.teacher_bytes) else None for t in teacher_ids]
     signal = alignment.signal.tolist()
     kinds = [Decision.CHUNK_SHARE] * len(signal)
@@ -102,10 +106,12 @@ def decision_kinds(
         else:
             last = pieces[j - 1]
             last_goes_on = last is not None and table.teacher_goes_on(last)
-            # a teacher token from an earlier cut since the settled one, spelling the text up to here and more
+            # a teacher token from an earlier cut since the settled one, spelling the text up to here and more (no
+            # teacher token is long enough to, from a cut further back than its longest)
+            earliest = bisect.bisect_right(teacher_offsets, student_ends[k] - table.teacher_longest, settled_at)
             crossing = any(
                 None not in pieces[i:j] and table.teacher_goes_on(b"".join(pieces[i:j]))
-                for i in range(settled_at, j - 1)
+                for i in range(earliest, j - 1)
             )
             covered = not last_goes_on or (moved is not None and bool(moved[student_id]))
             resolved, settled = not crossing and covered, not crossing and not last_goes_on
