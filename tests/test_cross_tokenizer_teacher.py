@@ -94,6 +94,7 @@ def test_same_tokenizer_through_the_cross_tokenizer_path_trains_as_the_direct_pa
         runs[kind] = (_trained_parameters(trainer), trainer.state.log_history[0])
     (direct, direct_log), (cross, cross_log) = runs["direct"], runs["cross"]
     assert cross_log["alignment/exact"] == 1.0 and "alignment/exact" not in direct_log
+    assert cross_log["alignment/per_decision_exact"] == 1.0  # one vocabulary: every value is the decision's
     assert_trained_alike(direct, direct_log, cross, cross_log, math_trained_path)
 
 
@@ -102,7 +103,8 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
 ):
     """The teacher path names a tokenizer of other merges: the trainer builds a `CrossTokenizerTeacher`. On real
     rollouts, each row's carried log-probs are the teacher's log-probs of its own tokenization of the completion text,
-    chunk by chunk, with its "the number ends here" moved off the student's digits; the student's single digits
+    chunk by chunk, with its "its token ends here" moved off every student token no other student token goes on from
+    (the student's digits, and words the teacher ends with a token that goes on); the student's single digits
     against the teacher's whole numbers are chunks, and a step trains."""
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
@@ -122,6 +124,8 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     rows = [math_dataset[i] for i in range(4)]
     completions = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
     completions[0] = completions[0] + [tokenizer.eos_token_id]
+    # words the teacher ends with a token that goes on (` stones` as ` st`, `on`, `es`), as the student's rollouts write
+    completions[1] += tokenizer(" 4 stones, 7 fish and a clock.", add_special_tokens=False)["input_ids"]
     student_prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     prompts = teacher.prompts(student_prompts, rows)
     teacher_tokenizer = teacher.tokenizer
@@ -130,12 +134,17 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     own = [row.logps for row in teacher._score_rows(prompts, [teacher.respell(c) for c in completions])]
     teacher_model = AutoModelForCausalLM.from_pretrained(other_teacher_path)
     spelled_by_teacher = teacher.teacher_vocab.token_bytes
-    moved = 0
+    spelled_by_student = sorted(b for b in teacher.student_vocab.token_bytes if b)
+    free_ends = {  # (no other student token starts with its bytes)
+        b for b, following in zip(spelled_by_student, spelled_by_student[1:] + [b""]) if not following.startswith(b)
+    }
+    moved, moved_off_words = 0, 0
     for prompt, completion, carried, teacher_logps in zip(prompts, completions, scores, own):
         assert carried.logps.shape == carried.signal.shape == (len(completion),)
         assert (carried.logps[carried.signal == TeacherSignal.CHUNK_INSIDE] == 0).all()
-        # Each value that ends where a teacher token ends, on a digit: the teacher's log-prob of any token starting
-        # with that token's bytes moved onto it from the next value; checked against a forward of the teacher
+        # Each value that ends where a teacher token ends, on a token the student cannot go on from: the teacher's
+        # log-prob of any token starting with that token's bytes moved onto it from the next value; checked against a
+        # forward of the teacher
         spelled = teacher.respell(completion)
         with torch.no_grad():
             logps = teacher_model(torch.tensor([prompt + spelled])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
@@ -148,10 +157,11 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
         expected, _ = student_token_teacher_logprobs(alignment, teacher_logps.float())
         carriers = (alignment.signal != TeacherSignal.CHUNK_INSIDE).nonzero()[:, 0].tolist()
         for place, k in enumerate(carriers):
-            if tokenizer.decode([completion[k]]).isdigit():
+            if teacher.student_vocab.token_bytes[completion[k]] in free_ends:
                 j = alignment.teacher_boundaries.tolist().index(int(alignment.student_boundaries[k + 1])) - 1
                 expected[k] += terms[j]
                 moved += terms[j] > 0
+                moved_off_words += terms[j] > 0 and not tokenizer.decode([completion[k]]).isdigit()
                 if place + 1 < len(carriers):
                     expected[carriers[place + 1]] -= terms[j]
         torch.testing.assert_close(carried.logps, expected, rtol=1e-4, atol=1e-4)
@@ -160,7 +170,7 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
             and tokenizer.decode([completion[i + 1]]).isdigit()
         ]  # fmt: skip
         assert digit_runs and all(carried.signal[i] == TeacherSignal.CHUNK_INSIDE for i in digit_runs)
-    assert moved > 0
+    assert moved > moved_off_words > 0
     assert teacher.respell(completions[0])[-1] == teacher_tokenizer.eos_token_id  # by role
     # What the teacher's forwards run over beyond the student's rollouts, per step: its own tokens of each prompt and
     # completion against the student's, signed (the ledger's `teacher_context_tokens`, in the teacher's FLOPs)
@@ -182,6 +192,10 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     assert any(extra_tokens)
     exact = [e["alignment/exact"] for e in trainer.state.log_history if "alignment/exact" in e]
     assert len(exact) == 2 and all(0.0 < share < 1.0 for share in exact)
+    # `alignment/per_decision_exact`: of the exact values, those that are the teacher's probability of the student's
+    # decision (teachers/decisions.py); never more than the exact share
+    per_decision = [e["alignment/per_decision_exact"] for e in trainer.state.log_history if "alignment/exact" in e]
+    assert all(0.0 < share <= whole for share, whole in zip(per_decision, exact, strict=True))
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert all(torch.isfinite(torch.tensor(losses)))
     # The ledger: per supervised token, whether the teacher's value is exact; a chunk's shared-out values sum to the
@@ -616,6 +630,7 @@ def test_divergence_from_a_teacher_of_another_tokenizer_trains_and_logs_what_was
     assert len(logged) == 2
     for entry in logged:
         assert 0.0 < entry["alignment/mapped"] <= 1.0 and 0.0 < entry["alignment/exact"] <= 1.0
+        assert 0.0 < entry["alignment/per_decision_exact"] <= entry["alignment/exact"]
         assert 0.0 <= entry["alignment/leftover"] < 1e-6  # every teacher token reaches a student token on this pair
         assert torch.isfinite(torch.tensor(entry["loss"])) and entry["loss"] > 0
     assert min(e["alignment/mapped"] for e in logged) < 1.0

@@ -24,6 +24,7 @@ from ..lens.endings import answer_end_position
 from ..lens.records import SKIPPED
 from ..teachers import resolve_rows, resolved_signal
 from ..teachers.alignment import TeacherSignal, chunk_totals, shared_out_over_chunks, spread_over_chunks
+from ..teachers.decisions import Decision
 from .rollouts import LEARNER
 from .selection import divergence_on_scored_rows
 
@@ -185,6 +186,7 @@ class LossMixin:
             self.teacher_cache.observe(inputs, logps)
         scored = completion_mask.bool() if skipped is None else completion_mask.bool() & ~skipped
         numbers = None if signal is None else self.teacher.number_tokens.to(completion_ids.device)[completion_ids]
+        decision = None if signal is None else resolved_signal(inputs["teacher_scores"], completion_ids, "decision")
         self._log_teacher_metrics(
             compared_logps,
             teacher_logps,
@@ -196,6 +198,7 @@ class LossMixin:
             signal,
             numbers,
             leftover,
+            decision,
         )
         if self.model.training and teacher_logps is not None and self.args.signal != "continuation":
             # The teacher's view of the student's ends: its log-prob of each end token the student sampled (`ends/*`)
@@ -288,6 +291,7 @@ class LossMixin:
         signal,
         numbers=None,
         leftover=None,
+        decision=None,
     ):
         """`teacher_kl/sampled` (the sampled reverse KL `log p_S - log p_T`, a one-sample estimate of KL(p_S || p_T))
         and `teacher_nll`, means over every completion token the student sampled itself (supervised or not) in the
@@ -297,7 +301,9 @@ class LossMixin:
         teacher of another tokenizer (`signal`), `alignment/exact`: the share of supervised tokens whose teacher
         log-prob is exact (the rest are in chunks: `teachers/alignment.py`), and `alignment/exact/numbers` the same
         among supervised tokens that spell a digit (`numbers`: per token, whether it does), where two tokenizers most
-        often split differently. With `divergence` from such a teacher (`leftover`, NaN where no distribution was
+        often split differently; `alignment/per_decision_exact`, the share of supervised tokens whose teacher value is
+        the teacher's probability of the student's decision given the text so far (`decision`: per token, a
+        `teachers.decisions.Decision`; a chunk's share never is, an exact value sometimes not). With `divergence` from such a teacher (`leftover`, NaN where no distribution was
         carried over), `alignment/mapped`: the share of supervised positions that were compared with a distribution
         of the teacher (the rest are left out of the loss), and `alignment/leftover`: the mean teacher mass that
         reached no student token there. One all-reduce for all of them."""
@@ -308,9 +314,10 @@ class LossMixin:
         kl = (logps - teacher_logps) * sampled
         # every rank has the same teacher, so the same entries: none, or the exact supervised tokens
         exact = []
-        if signal is not None:  # exact supervised tokens; of them, digits; supervised digits
+        if signal is not None:  # exact supervised tokens; of them, digits; supervised digits; exact per decision
             exact_supervised = (signal == TeacherSignal.EXACT) & loss_mask.bool()
-            counted = (exact_supervised, exact_supervised & numbers, numbers & loss_mask.bool())
+            per_decision = (decision == Decision.EXACT) & loss_mask.bool()
+            counted = (exact_supervised, exact_supervised & numbers, numbers & loss_mask.bool(), per_decision)
             exact = [tokens.sum().float() for tokens in counted]
         mapped = []
         if leftover is not None:  # supervised positions given a distribution; their leftover summed
@@ -338,6 +345,8 @@ class LossMixin:
             self._metrics[mode]["alignment/exact"].append(totals[5] / supervised)
         if exact and totals[7] > 0:
             self._metrics[mode]["alignment/exact/numbers"].append(totals[6] / totals[7])
+        if exact and supervised > 0:
+            self._metrics[mode]["alignment/per_decision_exact"].append(totals[8] / supervised)
         if mapped and supervised > 0:
             self._metrics[mode]["alignment/mapped"].append(totals[5 + len(exact)] / supervised)
         if mapped and totals[5 + len(exact)] > 0:

@@ -50,12 +50,14 @@ class RowScores(NamedTuple):
     """A row's teacher scores over its completion tokens: `logps` `(n,)`, and with a distribution asked for, the
     teacher's `top_ids` and `top_logps` `(n, k)` per position (`-inf` where absent). A teacher of another tokenizer
     (`cross_tokenizer.py`) adds `signal` `(n,)`: how each token's log-prob was carried over
-    (`alignment.TeacherSignal`: exact, or the last or an inner token of a chunk)."""
+    (`alignment.TeacherSignal`: exact, or the last or an inner token of a chunk), and `decision` `(n,)`: whether that
+    value is the teacher's probability of the student's decision (`decisions.Decision`)."""
 
     logps: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_logps: torch.Tensor | None = None
     signal: torch.Tensor | None = None
+    decision: torch.Tensor | None = None
 
 
 class ResolvedScores(NamedTuple):
@@ -122,16 +124,18 @@ def resolve_rows(
     return ResolvedScores(logps, top_ids, top_logps.masked_fill(~mask[..., None], float("-inf")))
 
 
-def resolved_signal(rows: list[TeacherRow], completion_ids: torch.Tensor) -> torch.Tensor:
+def resolved_signal(rows: list[TeacherRow], completion_ids: torch.Tensor, kind: str = "signal") -> torch.Tensor:
     """How a teacher of another tokenizer carried each completion token's log-prob over (`alignment.TeacherSignal`
     `(B, T)`, `EXACT` on padding and on the rows of a routed teacher of the student's tokenizer, which with
-    `divergence` has no row to read: `None`). Read after [`resolve_rows`] or the `divergence` loss (the answers are
-    in: no wait, no collective)."""
+    `divergence` has no row to read: `None`); with `kind="decision"`, whether it is the teacher's probability of the
+    student's decision (`decisions.Decision`, `EXACT` there too). Read after [`resolve_rows`] or the `divergence`
+    loss (the answers are in: no wait, no collective)."""
     signal = torch.zeros(completion_ids.shape, dtype=torch.long, device=completion_ids.device)  # 0: EXACT
     for i, row in enumerate(rows or []):
         answer = None if row is None else row.scores.result()[row.index]
-        if answer is not None and answer.signal is not None:
-            signal[i, : answer.signal.size(0)] = answer.signal.to(completion_ids.device)
+        carried = None if answer is None else getattr(answer, kind)
+        if carried is not None:
+            signal[i, : carried.size(0)] = carried.to(completion_ids.device)
     return signal
 
 

@@ -134,11 +134,12 @@ def check_before_loading(
 class TextReading(NamedTuple):
     """A row as a [`CrossTokenizerTeacher`] reads it for the `divergence` loss, made when the batch is scored: its
     prompt and its spelling of the student's completion in the teacher's tokens, and how that spelling aligns with the
-    student's tokens. Its `signal` is read as a [`RowScores`]' is (`resolved_signal`)."""
+    student's tokens. Its `signal` and `decision` are read as a [`RowScores`]' are (`resolved_signal`)."""
 
     prompt: list[int]
     completion: list[int]
     alignment: TokenAlignment
+    decision: torch.Tensor
 
     @property
     def signal(self) -> torch.Tensor:
@@ -214,25 +215,28 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         if distribution:
             readings = self._read_on_every_rank(
                 lambda: [
-                    TextReading(
-                        prompt, teacher_ids, align_token_ids(ids, teacher_ids, self.student_vocab, self.teacher_vocab)
-                    )
+                    self._reading(prompt, ids, teacher_ids)
                     for prompt, ids, teacher_ids in zip(prompts, completions, teacher_completions, strict=True)
                 ]
             )
             return batch_rows(answered(readings), len(readings))
-        if self.movable.any():
+        if self.moves_ends:
             scores, end_logmass = self._scores_and_end_logmass(prompts, teacher_completions)
         else:
             scores, end_logmass = self._score_rows(prompts, teacher_completions), None
         carried = self._carry(completions, teacher_completions, scores, end_logmass)
         return batch_rows(answered(carried), len(carried))
 
+    def _reading(self, prompt, student_ids, teacher_ids) -> TextReading:
+        alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+        decision = self._decisions(alignment, student_ids, teacher_ids, ends_moved=self.moves_ends)
+        return TextReading(prompt, teacher_ids, alignment, decision)
+
     def _scores_and_end_logmass(self, prompts, teacher_completions) -> tuple[list[RowScores], list[torch.Tensor]]:
         """`_score_rows`' answers, and per row and teacher completion token the log-prob of the teacher writing any
         token whose bytes start with that token's, less that token's own (0 where none longer does), from one forward
         over the whole vocabulary at the run's temperature, in the same agreed chunks (`_completion_log_probs`). For a
-        pair where a student token's end is the teacher's to say (`movable`)."""
+        pair of tokenizers that differ (`moves_ends`)."""
         scores, rows = [], []
         for i, logps in self._completion_log_probs(prompts, teacher_completions, self.trainer.temperature):
             token_logps, moved = self._token_logps_and_end_logmass(logps.cpu(), teacher_completions[i])
@@ -320,7 +324,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             alignment = readings[i].alignment
             student_ids = completion_ids[i, : len(alignment.signal)].tolist()
             token_logps, moved = self._token_logps_and_end_logmass(logps, teacher_completions[i])
-            values, _ = self._carried_row(alignment, student_ids, token_logps, moved if self.movable.any() else None)
+            values, _ = self._carried_row(alignment, student_ids, token_logps, moved if self.moves_ends else None)
             teacher_logps[i, : len(values)] = values.to(device)
             student_at, teacher_at = alignment.synchronised.T.to(device)
             supervised = loss_mask[i, student_at] != 0

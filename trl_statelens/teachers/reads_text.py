@@ -24,6 +24,7 @@ from .alignment import (
 )
 from .base import RowScores, joined
 from .byte_vocab import ByteVocabulary, byte_vocabulary, special_token_map, unmapped_special_message
+from .decisions import decision_kinds, decision_table
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +161,16 @@ class ReadsText:
         self.unreadable_student_ids = [
             i for i, spelled in enumerate(self.student_vocab.token_bytes) if spelled is None and i not in self.specials
         ]
-        # The student's tokens whose end only the teacher's tokens can say (a digit against numbers kept whole): there
-        # the teacher's "its token ends here" is moved onto the student's next token (`alignment.move_teacher_ends`)
+        # The student's tokens whose end only the teacher's longer tokens can say (a digit against numbers kept whole):
+        # a served teacher, which cannot move its "ends here" off them (`alignment.move_teacher_ends`), warns of them
         extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
         self.movable = torch.tensor([spelled in extended for spelled in self.student_vocab.token_bytes])
+        # which carried values are the teacher's probability of the student's decision (`alignment/per_decision_exact`)
+        self.decision_table = decision_table(self.student_vocab, self.teacher_vocab)
+        # An in-process teacher moves its "goes on" mass onto every student token whose end the student does not
+        # choose (`free_ends`: a digit against whole numbers, and a word the teacher ends with a token that goes on);
+        # with one tokenizer on both sides that mass is always 0, and it is not computed
+        self.moves_ends = self.student_vocab.token_bytes != self.teacher_vocab.token_bytes
         self._teacher_sorted = None  # the teacher's spellings in order, with their ids: sorted on first use (the ends
         # terms of an in-process teacher whose tokens extend the student's; a served one never asks)
         self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
@@ -322,14 +329,21 @@ class ReadsText:
             alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
             moved = None if end_logmass is None else end_logmass[i]
             values, signal = self._carried_row(alignment, student_ids, row.logps, moved)
-            carried.append(RowScores(values, signal=signal))
+            decision = self._decisions(alignment, student_ids, teacher_ids, moved is not None)
+            carried.append(RowScores(values, signal=signal, decision=decision))
         return carried
+
+    def _decisions(self, alignment: TokenAlignment, student_ids, teacher_ids, ends_moved: bool) -> torch.Tensor:
+        """Per student token, whether its carried value is the teacher's probability of the student's decision
+        ([`decisions.decision_kinds`]; `ends_moved`: whether `move_teacher_ends` ran on the row)."""
+        moved = self.decision_table.free_ends if ends_moved else None
+        return decision_kinds(alignment, student_ids, teacher_ids, self.decision_table, moved)
 
     def _carried_row(self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None):
         """One row of `_carry`, its alignment made: `(values, signal)` on the student's tokens."""
         values, signal = student_token_teacher_logprobs(alignment, teacher_logps.float().cpu())
         if end_logmass is not None:
-            values = move_teacher_ends(alignment, values, student_ids, self.movable, end_logmass)
+            values = move_teacher_ends(alignment, values, student_ids, self.decision_table.free_ends, end_logmass)
         return values, signal
 
     def _read_on_every_rank(self, read):
