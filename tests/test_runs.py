@@ -328,7 +328,8 @@ def test_training_flops_count_at_the_steps_that_train_on_a_generation_batch(
         assert line["flops/student_generation"] == pytest.approx(2 * student * sampled)
         assert line["flops/student_training"] == pytest.approx(6 * student * (batch / 2 + cut * supervised))
         scored = 4 * (sampled + supervised) if cut else batch  # divergence: 2 N_T per token, half the batch a step
-        assert line["flops/teacher"] == pytest.approx(teacher * scored)
+        teacher_parts = line["flops/teacher_scoring"] + line["flops/teacher_writing"]
+        assert teacher_parts == pytest.approx(teacher * scored)
     counts = compute_counts(trainer)
     for part, value in {**counts["flops_by_part"], "total": counts["flops"]}.items():
         assert steps[-1][f"flops_total/{part}"] == pytest.approx(value)
