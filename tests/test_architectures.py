@@ -135,7 +135,10 @@ def test_sft_same_training_as_stock(tmp_path, family_paths, tokenizer, math_data
     for name, trainer_cls in (("stock", SFTTrainer), ("lens", StateLensSFTTrainer)):
         args = sft_config(tmp_path, name, max_steps=2, max_length=512)
         callbacks = [StateLoggingCallback(sample_rate=1.0)] if name == "lens" else None
+        # the forward counts are training's: the preflight's forwards before step 1 are left out (test_preflight.py)
+        off = {"preflight": "off"} if name == "lens" else {}
         trainer = trainer_cls(
+            **off,
             model=family_paths["student"],
             args=args,
             train_dataset=math_dataset.select(range(8)),  # two steps of 4 rows: nothing more to tokenize
@@ -167,7 +170,10 @@ def test_grpo_same_training_as_stock(tmp_path, family_paths, tokenizer, math_dat
     runs = {}
     for name, trainer_cls in (("stock", GRPOTrainer), ("lens", StateLensGRPOTrainer)):
         callbacks = [StateLoggingCallback(sample_rate=1.0)] if name == "lens" else None
+        # the forward counts are training's: the preflight's forwards before step 1 are left out (test_preflight.py)
+        off = {"preflight": "off"} if name == "lens" else {}
         trainer = trainer_cls(
+            **off,
             model=family_paths["student"],
             reward_funcs=digit_reward,
             args=grpo_config(tmp_path, name, max_steps=2),

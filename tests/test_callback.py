@@ -270,6 +270,8 @@ def test_attachment_and_bad_arguments(tmp_path, student_path, tokenizer, math_da
         train_dataset=Dataset.from_dict({"prompt": math_dataset["prompt"][:4]}),
         processing_class=tokenizer,
         state_logging=False,
+        preflight="off",  # the preflight and the guards write their own files under statelens/
+        guards="off",
     )
     assert not any(isinstance(cb, StateLoggingCallback) for cb in trainer.callback_handler.callbacks)
     trainer.train()

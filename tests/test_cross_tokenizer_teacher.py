@@ -38,6 +38,9 @@ def opd_config(tmp_path, **kwargs):
         learning_rate=1e-3,
         temperature=1.0,
     )
+    defaults["preflight"] = (
+        "off"  # these tests count training's own teacher calls and forwards; the preflight's are tested in test_preflight.py
+    )
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 

@@ -25,6 +25,9 @@ def opd_config(tmp_path, **kwargs):
         learning_rate=1e-3,
         teacher_model_kind="base",
     )
+    defaults["preflight"] = (
+        "off"  # these tests count training's own teacher calls and forwards; the preflight's are tested in test_preflight.py
+    )
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 
@@ -762,7 +765,7 @@ def test_a_bad_row_on_one_process_stops_every_process(tmp_path, math_trained_pat
     monkeypatch.setattr(collective, "gather_counts", two_processes(0))
     assert trainer._check_rows_on_every_rank(rows) == [None] * 4  # a self teacher routes nothing
     monkeypatch.setattr(collective, "gather_counts", two_processes(1))
-    with pytest.raises(ValueError, match="process 1 found a bad row in its batch"):
+    with pytest.raises(ValueError, match="process 1: a bad row in its batch"):
         trainer._check_rows_on_every_rank(rows)
     rows[2]["privileged_context"] = None
     with pytest.raises(ValueError, match=r"this batch: 1 row\(s\) have no privileged_context"):

@@ -189,6 +189,9 @@ def opd_config(tmp_path, **kwargs):
     )
     if kwargs.get("teacher_model_server_url"):  # quick retries against the test server (read by served teachers only)
         defaults["teacher_server_retry_backoff"] = 0.01
+    defaults["preflight"] = (
+        "off"  # these tests count training's own teacher calls and forwards; the preflight's are tested in test_preflight.py
+    )
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 

@@ -33,6 +33,9 @@ def opd_config(tmp_path, **kwargs):
                     shuffle_dataset=False)  # fmt: skip
     if kwargs.get("skip_correct_rollouts", True):
         defaults["recheck_fraction"] = 0.0  # every correct rollout skipped, unless a test says otherwise
+    defaults["preflight"] = (
+        "off"  # these tests count training's own teacher calls and forwards; the preflight's are tested in test_preflight.py
+    )
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 

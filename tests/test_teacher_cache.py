@@ -19,6 +19,9 @@ from trl_statelens.reports.states_data import page_data
 def cache_config(tmp_path, **kwargs):
     defaults = dict(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=8, num_generations=2,
                     max_completion_length=8, learning_rate=1e-3, logging_steps=1, teacher_cache_steps=3)  # fmt: skip
+    defaults["preflight"] = (
+        "off"  # these tests count training's own teacher calls and forwards; the preflight's are tested in test_preflight.py
+    )
     return OnPolicyDistillConfig(**{**defaults, **CPU, **kwargs})
 
 

@@ -102,5 +102,5 @@ def test_installed_wheel_imports_and_runs(dist, tmp_path):
     assert Path(imported[0]).is_relative_to(site_packages), imported  # the wheel's copy, not this checkout
     assert imported[1] == "trl_statelens.trainers.sft"
     statelens = str(venv / "bin" / "statelens")
-    assert "{lab,eval,report}" in run([statelens, "--help"], cwd=tmp_path, env=env)
+    assert "{lab,eval,report,preflight,guards}" in run([statelens, "--help"], cwd=tmp_path, env=env)
     assert "math 0.100  kb (MMLU analog) 0.500" in run([statelens, "lab", "info"], cwd=tmp_path, env=env)

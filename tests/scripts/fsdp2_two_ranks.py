@@ -166,6 +166,9 @@ def train(args, build) -> dict:
     what_ran = WhatRan()
     try:
         trainer = what_ran.trainer = build([what_ran, probe()])
+        # before the preflight's forwards (a callback placed first): FSDP2's root keeps its parameters whole after one
+        trainer.callback_handler.callbacks.remove(what_ran)
+        trainer.callback_handler.callbacks.insert(0, what_ran)
         trainer.train()
     except (ValueError, RuntimeError, AssertionError) as error:
         return {"error": f"{type(error).__name__}: {error}"}

@@ -41,6 +41,7 @@ trainer = OnPolicyDistillTrainer(
     model=student_path,
     teacher_model={"a": student_path, "b": teacher_path},
     args=OnPolicyDistillConfig(
+        preflight="off",  # the test counts training's own teacher calls
         output_dir=str(output_dir),
         max_steps=2,
         per_device_train_batch_size=2,

@@ -37,6 +37,7 @@ server = TestTeacherServer(teacher_path).start()
 trainer = OnPolicyDistillTrainer(
     model=student_path,
     args=OnPolicyDistillConfig(
+        preflight="off",  # the test counts training's own teacher calls
         output_dir=str(output_dir),
         max_steps=1,
         per_device_train_batch_size=4,

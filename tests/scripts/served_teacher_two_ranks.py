@@ -31,6 +31,7 @@ dataset = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in ro
 trainer = OnPolicyDistillTrainer(
     model=student_path,
     args=OnPolicyDistillConfig(
+        preflight="off",  # the test counts training's own teacher calls
         output_dir=str(output_dir),
         max_steps=2,
         per_device_train_batch_size=4,
