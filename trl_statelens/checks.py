@@ -78,6 +78,17 @@ def check_prompt_lengths(dataset, tokenizer, context: int | None, completion_len
     check_lengths(dataset["prompt"], tokenizer, context, completion_length, what)
 
 
+def named_splits(train_dataset, eval_dataset) -> dict:
+    """The training data and each evaluation split by the name an error gives it (`eval_dataset['name']` for a dict of
+    them), `None` where absent."""
+    splits = {"train_dataset": train_dataset}
+    if isinstance(eval_dataset, dict):
+        splits.update({f"eval_dataset[{name!r}]": split for name, split in eval_dataset.items()})
+    else:
+        splits["eval_dataset"] = eval_dataset
+    return splits
+
+
 def check_lengths(
     prompts: list,
     tokenizer,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
-from ..checks import check_train_dataset, context_length
+from ..checks import check_train_dataset, context_length, named_splits
 from ..teachers import check_before_loading
 from .config import OnPolicyDistillConfig
 
@@ -16,12 +16,7 @@ def check_datasets(train_dataset, eval_dataset, teacher_model, args: OnPolicyDis
     every row's values. The evaluation data too, which runs the same row logic (state sources, teachers, the self
     teacher's prompt) at the first evaluation."""
     check_train_dataset(train_dataset, ("prompt",), "OnPolicyDistillTrainer")
-    splits = {"train_dataset": train_dataset}
-    if isinstance(eval_dataset, dict):
-        splits.update({f"eval_dataset[{name!r}]": split for name, split in eval_dataset.items()})
-    else:
-        splits["eval_dataset"] = eval_dataset
-    for what, dataset in splits.items():
+    for what, dataset in named_splits(train_dataset, eval_dataset).items():
         if dataset is None:
             continue
         _check_no_images(dataset, what)
@@ -221,12 +216,7 @@ def check_teacher_prompt_lengths(trainer) -> None:
         return
     routed = getattr(teacher, "teachers", None)  # several teachers: each row's is the one it names
     after = trainer._tokens_after_prompt()
-    splits = {"train_dataset": trainer.train_dataset}
-    if isinstance(trainer.eval_dataset, dict):
-        splits.update({f"eval_dataset[{name!r}]": data for name, data in trainer.eval_dataset.items()})
-    else:
-        splits["eval_dataset"] = trainer.eval_dataset
-    for what, dataset in splits.items():
+    for what, dataset in named_splits(trainer.train_dataset, trainer.eval_dataset).items():
         if dataset is None or not hasattr(dataset, "__len__"):
             continue
         columns = [c for c in ("prompt", "privileged_context", "teacher_id") if c in dataset.column_names]

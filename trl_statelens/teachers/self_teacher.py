@@ -9,7 +9,7 @@ from accelerate.utils import is_peft_model
 from trl.data_utils import is_conversational
 from trl.trainer.utils import selective_log_softmax
 
-from ..checks import check_lengths, context_length
+from ..checks import check_lengths, context_length, named_splits
 from .base import RowScores, answered, batch_rows, completion_padded, left_padded
 from .in_process import InProcessTeacher
 from .self_teacher_weights import (
@@ -93,12 +93,7 @@ class SelfTeacher(InProcessTeacher):
         context = context_length(trainer.model)
         if context is None:
             return
-        splits = {"train_dataset": trainer.train_dataset}
-        if isinstance(trainer.eval_dataset, dict):
-            splits.update({f"eval_dataset[{name!r}]": data for name, data in trainer.eval_dataset.items()})
-        else:
-            splits["eval_dataset"] = trainer.eval_dataset
-        for what, dataset in splits.items():
+        for what, dataset in named_splits(trainer.train_dataset, trainer.eval_dataset).items():
             if dataset is None or not hasattr(dataset, "__len__"):
                 continue
             prompts = [self.fill(p, c) for p, c in zip(dataset["prompt"], dataset["privileged_context"])]
