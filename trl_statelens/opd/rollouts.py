@@ -14,6 +14,7 @@ from trl.trainer.utils import pad
 from .. import collective
 from ..lens.endings import END_KINDS
 from ..lens.records import source_code
+from ..merged_lora import merged_lora_for_sampling
 from ..teachers.self_teacher import with_context
 from ..teachers.vocabulary import vocab_size
 from .checks import check_rows, row_columns
@@ -153,9 +154,9 @@ class RolloutsMixin:
 
     def _generate(self, prompts):
         length = self._set_rollout_length()
-        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(
-            prompts
-        )
+        with merged_lora_for_sampling(self, self.accelerator.unwrap_model(self.model)):
+            output = super()._generate(prompts)
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = output
         batch = self._rollout_batch
         # The teacher reads its own prompts (a self teacher's hold the row's privileged context), the student its own
         batch.teacher_prompts = teacher_prompts = self._teacher_prompts(prompt_ids, batch.rows)
