@@ -12,6 +12,7 @@ from trl import GRPOConfig, SFTConfig
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import trl_statelens.preflight as preflight
+import trl_statelens.preflight.opd as preflight_opd
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLensGRPOTrainer, StateLensSFTTrainer
 from trl_statelens.preflight import PreflightCallback, PreflightFailed, run_preflight
 
@@ -55,13 +56,29 @@ def test_teacher_whose_answers_never_end_fails_and_one_that_ends_passes(
     assert good["teacher/end_after_answer"]["value"] > 10 * bad["teacher/end_after_answer"]["value"]
 
 
-def test_tiny_max_completion_length_cuts_every_rollout(tmp_path, math_trained_path, math_teacher_path, math_dataset):
+def test_cut_student_warns_when_distilled_and_fails_grpo(tmp_path, math_trained_path, math_teacher_path, math_dataset):
+    # OPD's teacher is there to fix a student that does not end: its cut share is a warning at most
     trainer = opd_trainer(tmp_path, math_trained_path, str(math_teacher_path), math_dataset, max_completion_length=2)
-    found = checks(run_preflight(trainer))
-    assert found["student/length_limit_share"]["value"] == 1.0
-    assert found["student/length_limit_share"]["verdict"] == "fail" and found["student/length_limit_share"]["fix"]
+    found = checks(run_preflight(trainer))["student/length_limit_share"]
+    assert found["value"] == 1.0 and found["verdict"] == "warn" and found["fix"]
     trainer = opd_trainer(tmp_path, math_trained_path, str(math_teacher_path), math_dataset)
     assert checks(run_preflight(trainer))["student/length_limit_share"]["verdict"] == "pass"
+    # GRPO's group of cut rollouts has reward std 0: the same share fails there
+    trainer = grpo_trainer(tmp_path, math_trained_path, math_dataset, parity_reward, max_completion_length=2)
+    found = checks(run_preflight(trainer))["student/length_limit_share"]
+    assert found["value"] == 1.0 and found["verdict"] == "fail"
+
+
+def test_teacher_end_after_answer_fails_at_its_line(
+    tmp_path, monkeypatch, math_trained_path, math_teacher_path, math_dataset
+):
+    """The text-frame self teacher of the real model measured 0.271 (STUDY.md): a failure, not a warning."""
+    monkeypatch.setattr(preflight_opd, "end_after_answer", lambda *args: (0.27, 16))
+    trainer = opd_trainer(tmp_path, math_trained_path, str(math_teacher_path), math_dataset, max_completion_length=16)
+    found = checks(run_preflight(trainer))["teacher/end_after_answer"]
+    assert found["value"] == 0.27 and found["verdict"] == "fail"
+    monkeypatch.setattr(preflight_opd, "end_after_answer", lambda *args: (0.31, 16))
+    assert checks(run_preflight(trainer))["teacher/end_after_answer"]["verdict"] == "warn"
 
 
 def test_teacher_prompt_over_its_context_fails(tmp_path, math_trained_path, math_teacher_path, math_dataset):
@@ -104,9 +121,9 @@ def constant_reward(completions, **kwargs):
     return [1.0 for _ in completions]
 
 
-def grpo_trainer(tmp_path, student, dataset, reward, **kwargs):
-    defaults = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, max_steps=1)
-    args = GRPOConfig(output_dir=str(tmp_path), **{**defaults, **CPU})
+def grpo_trainer(tmp_path, student, dataset, reward, max_completion_length=16, **kwargs):
+    defaults = dict(per_device_train_batch_size=8, num_generations=4, max_steps=1)
+    args = GRPOConfig(output_dir=str(tmp_path), max_completion_length=max_completion_length, **{**defaults, **CPU})
     return StateLensGRPOTrainer(model=str(student), reward_funcs=reward, args=args, train_dataset=dataset, **kwargs)
 
 

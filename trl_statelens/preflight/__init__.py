@@ -79,7 +79,12 @@ def measure(trainer, prompts: int) -> list[Check]:
     prompt_ids = [list(ids) for ids in trainer._tokenize_prompts([row["prompt"] for row in rows])[0]]
     answers = student_answers(trainer, prompt_ids)
     texts = trainer._tokenizer.batch_decode(answers, skip_special_tokens=True)
-    checks += rollout_checks(trainer, "student", answers, texts, repeats_warn=0.5, repeats_fail=None)
+    # A group of cut rollouts has reward std 0, so GRPO learns nothing from it; OPD's teacher is there to teach a cut
+    # student to end (a cut answer is supervised like any other unless `mask_truncated_completions`): a warning
+    cut_fail = None if distills else 0.9
+    checks += rollout_checks(
+        trainer, "student", answers, texts, repeats_warn=0.5, repeats_fail=None, cut_fail=cut_fail
+    )
     if not distills or trainer.args.reward_weight != 0:
         prompts_given = [row["prompt"] for row in rows]
         checks += reward_spread(trainer, rows, prompts_given, answers, texts)

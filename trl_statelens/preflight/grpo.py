@@ -46,9 +46,12 @@ def end_token_checks(trainer) -> list[Check]:
     return [graded("end_tokens/turn_end_stops", stops, 0.5, 0.5, fix, higher_is_worse=False, details=details)]
 
 
-def rollout_checks(trainer, side: str, rows: list[list[int]], texts: list[str], repeats_warn: float, repeats_fail):
-    """How `side`'s answers (`student` or `teacher`) end: the share cut at `max_completion_length` and the share that
-    repeats itself, each graded; the share ending on an end token and stopped short beside them."""
+def rollout_checks(
+    trainer, side: str, rows: list[list[int]], texts: list[str], repeats_warn: float, repeats_fail, cut_fail=0.9
+):
+    """How `side`'s answers (`student` or `teacher`) end: the share cut at `max_completion_length` (failing at
+    `cut_fail`; `None`: never) and the share that repeats itself, each graded; the share ending on an end token and
+    stopped short beside them."""
     limit = trainer.max_completion_length
     shares = ending_shares(rows, texts, list(trainer.eos_token_ids), limit)
     lengths = [len(row) for row in rows]
@@ -64,7 +67,7 @@ def rollout_checks(trainer, side: str, rows: list[list[int]], texts: list[str], 
         else "the signal must teach it to stop; check that the teacher's answers end (teacher/* checks)"
     )
     return [
-        graded(f"{side}/length_limit_share", shares["length_limit"], 0.5, 0.9, RAISE_LENGTH, details=details),
+        graded(f"{side}/length_limit_share", shares["length_limit"], 0.5, cut_fail, RAISE_LENGTH, details=details),
         graded(f"{side}/repeats_share", shares["repeats"], repeats_warn, repeats_fail, loops),
     ]
 

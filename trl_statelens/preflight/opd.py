@@ -114,7 +114,7 @@ def teacher_checks(trainer, rows, student_prompts, student_answers, student_text
                 "teacher/end_after_answer",
                 probability,
                 0.5,
-                0.2,
+                0.3,  # the text-frame self teacher whose student looped measured 0.271 (STUDY.md)
                 "the teacher does not want to end right after its `#### N` line (it expects more text: the next "
                 "question of a text frame?); the student then learns to go on after its answer. Give the teacher its "
                 "context as chat turns, each answer closed by the end token (context_format='chat')",
