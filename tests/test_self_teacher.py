@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback, collective
 from trl_statelens.lens.compute import matmul_parameters
-from trl_statelens.teachers import SelfTeacher, resolve_rows
+from trl_statelens.teachers import InProcessTeacher, SelfTeacher, resolve_rows
 
 
 def opd_config(tmp_path, **kwargs):
@@ -839,3 +839,73 @@ def test_zero3_ema_checkpoint_gathers_offloaded_partitions_on_the_accelerators_d
     ema.save(str(tmp_path))
     assert gathered == [torch.device("meta")], f"gathered on {gathered}, not on the accelerator's device"
     assert load_file(tmp_path / EMA_FILE)["weight"].equal(torch.arange(5.0))
+
+
+def test_a_shared_privileged_start_is_written_after_once_with_the_plain_writers_tokens(
+    tmp_path, math_trained_path, math_dataset
+):
+    """The teacher writes after the same worked examples on every row (preflight answers, `teacher` states,
+    continuations): `generate` goes on from the start's keys and values, run once for the frozen `base` teacher over
+    two calls, and each row gets the tokens a plain left-padded `generate` of its whole prompt gives (greedy)."""
+    context = " ".join(f"Example {i}: 3 + {i} = {3 + i}." for i in range(12))
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(tmp_path, teacher_prompt_template="{privileged_context}\nNow: {prompt}"),
+        train_dataset=with_context(math_dataset, [context]),
+        state_logging=False,
+    )
+    teacher = trainer.teacher
+    rows = [dict(row) for row in with_context(math_dataset, [context]).select(range(4))]
+    prompts = teacher.prompts(None, rows)
+    model = trainer.accelerator.unwrap_model(teacher.generation_model)
+    starts = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: starts.append(1) if kwargs.get("use_cache") and args else None, with_kwargs=True
+    )
+    pad_id = trainer._tokenizer.pad_token_id
+    plain = InProcessTeacher._generation_inputs(teacher, prompts, pad_id)
+    for _ in range(2):
+        shared = teacher._generation_inputs(prompts, pad_id)
+        assert "past_key_values" in shared and shared["past_key_values"].get_seq_length() >= 64
+        with torch.no_grad():
+            ours, theirs = (
+                model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=pad_id)
+                for inputs in (shared, plain)
+            )
+        assert ours[:, shared["input_ids"].size(1) :].tolist() == theirs[:, plain["input_ids"].size(1) :].tolist()
+    assert len(starts) == 1  # the start's forward ran once for both calls
+
+
+def test_a_shared_privileged_start_counts_once_in_the_teachers_writing(tmp_path, math_trained_path, math_dataset):
+    """The teacher writes every rollout (`teacher` states) after the same worked examples: its writing's FLOPs count
+    its prompts with that start once (it ran at step 1 only: the frozen `base` teacher) and the tokens it wrote."""
+    context = " ".join(f"Example {i}: 3 + {i} = {3 + i}." for i in range(12))
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        args=opd_config(
+            tmp_path,
+            max_steps=2,
+            state_source_mix={"teacher": 1.0},
+            teacher_prompt_template="{privileged_context}\nNow: {prompt}",
+        ),  # fmt: skip
+        train_dataset=with_context(math_dataset.select(range(4)), [context]),
+        callbacks=[StateLoggingCallback(sample_rate=0.0)],
+    )
+    written = []  # per step: the rows' prompt tokens, the written tokens, the shared start
+    generate = trainer.teacher.generate
+
+    def counted(prompts, max_new_tokens, prefixes=None, teachers=None):
+        rollouts = generate(prompts, max_new_tokens, prefixes, teachers)
+        shared = trainer.teacher._shared_prefix_length(prompts)
+        written.append((sum(map(len, prompts)), sum(map(len, rollouts)), shared, len(prompts)))
+        return rollouts
+
+    trainer.teacher.generate = counted
+    trainer.train()
+    steps = [json.loads(line) for line in (tmp_path / "statelens" / "steps.jsonl").read_text().splitlines()]
+    n = matmul_parameters(trainer.model)
+    assert len(written) == 2 and all(shared >= 64 for *_, shared, _ in written)
+    for line, (prompt_tokens, tokens, shared, rows), ran in zip(steps, written, (1, 0)):
+        assert line["teacher_writing_prefix_saved"] == rows * shared - ran * shared
+        ran_over = prompt_tokens - rows * shared + ran * shared + tokens
+        assert line["flops/teacher_writing"] == pytest.approx(2 * n * ran_over)

@@ -22,6 +22,7 @@ LEDGER_COUNTS = (
     "teacher_written_tokens",
     "teacher_prefix_shared_tokens",
     "teacher_prefix_run_tokens",
+    "teacher_writing_prefix_saved",
     "cache_reused_teacher_tokens",
 )  # per-step counts the run sums
 
@@ -185,6 +186,7 @@ class ComputeCounter:
         teacher_prefix_saved: float = 0.0,
         untrained_tokens: float = 0.0,
         untrained_teacher_reads: float = 0.0,
+        writing_prefix_saved: float = 0.0,
     ) -> dict:
         """FLOPs by part (`FLOPS_PARTS`, `None` where unknown) and their `total` for `tokens` (as `num_tokens`
         counts them), `supervised` tokens, `teacher_context` tokens (`teacher_context_tokens`: a self teacher's extra
@@ -196,7 +198,9 @@ class ComputeCounter:
         2 N_T each); `teacher_prefix_saved`, the prompt positions a shared-prefix forward stood in for less that
         forward's own tokens each time it ran ([`teacher_prefix_saved`]), off the teacher's scoring;
         `untrained_tokens` and `untrained_teacher_reads`, of the last generation batch, not trained on yet (left out
-        of the parts that run at training)."""
+        of the parts that run at training); `writing_prefix_saved`, the prompt positions a shared-prefix forward stood
+        in for while the teacher wrote, less its own tokens each time it ran (`teacher_writing_prefix_saved`), off
+        the teacher's writing."""
         student, teacher, cache = self.student, self.teacher(totals), cache or {}
         teacher_reads = tokens + teacher_context - teacher_skipped
         if self.teacher_scores_in_loss:
@@ -215,7 +219,7 @@ class ComputeCounter:
                 + 2 * self.teacher_head * cache.get("cache_reused_completion_tokens", 0.0)
                 + 2 * teacher * cache.get("cache_reused_teacher_tokens", 0.0)
             )
-            parts["teacher_writing"] = 2 * teacher * teacher_generation
+            parts["teacher_writing"] = 2 * teacher * (teacher_generation - writing_prefix_saved)
         if self.continuation:
             parts["student_training"] += 6 * student * supervised
             if teacher is not None:  # it writes from each cut state, then scores what it wrote
@@ -241,6 +245,7 @@ class ComputeCounter:
             teacher_prefix_saved(totals),
             untrained_tokens,
             untrained_teacher_reads,
+            totals.get("teacher_writing_prefix_saved", 0.0),
         )
 
 

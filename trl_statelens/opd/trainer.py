@@ -374,7 +374,8 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
         the teacher cache, whether the step refreshed it and its staleness (`TeacherCache.step_trace`); with `teacher`
         states, the tokens of the teacher's forwards writing them (`TEACHER_GENERATION_COUNTS`, all ranks); with a self
         teacher, the prompt positions of its scoring that a shared prompt start's one forward stood in for and that
-        forward's tokens each time it ran (`SHARED_PREFIX_COUNTS`, all ranks)."""
+        forward's tokens each time it ran, and what it saved the teacher's writing (`SHARED_PREFIX_COUNTS`, all
+        ranks)."""
         trace = {} if self.args.horizon is None else {"horizon": float(self._rollout_length)}
         if self.args.state_source_mix.get("teacher", 0.0) > 0:
             counts = torch.tensor(self.step_counts.take(*TEACHER_GENERATION_COUNTS))
@@ -382,7 +383,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             trace.update(zip(TEACHER_GENERATION_COUNTS, map(float, counts)))
         if self.teacher_cache is not None:
             trace.update(self.teacher_cache.step_trace())
-        if self.teacher.reads_own_prompts:  # a self teacher's scoring may run a shared prompt start once
+        if self.teacher.reads_own_prompts:  # a self teacher's scoring and writing may run a shared prompt start once
             counts = torch.tensor(self.step_counts.take(*SHARED_PREFIX_COUNTS), dtype=torch.float32)
             counts = collective.sum_over_ranks(self.accelerator, counts)
             trace.update(zip(SHARED_PREFIX_COUNTS, map(float, counts)))

@@ -105,7 +105,8 @@ class InProcessTeacher(Teacher):
         if not collective.any_rank_has(trainer.accelerator, len(sequences)):
             return []
         device = trainer.accelerator.device
-        input_ids, attention_mask = (t.to(device) for t in left_padded(sequences or [[pad_id]], pad_id))
+        inputs = self._generation_inputs(sequences or [[pad_id]], pad_id)
+        inputs = {name: value.to(device) if torch.is_tensor(value) else value for name, value in inputs.items()}
         generation_config = self._generation_config()
         generation_config.max_new_tokens = max_new_tokens
         generation_config.pad_token_id, generation_config.eos_token_id = pad_id, list(eos_token_ids)
@@ -122,10 +123,13 @@ class InProcessTeacher(Teacher):
             gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as teacher:
-            out = teacher.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
-            )
-        return out[:, input_ids.size(1) :].tolist()[: len(sequences)]
+            out = teacher.generate(**inputs, generation_config=generation_config)
+        return out[:, inputs["input_ids"].size(1) :].tolist()[: len(sequences)]
+
+    def _generation_inputs(self, sequences, pad_id) -> dict:
+        """`generate`'s inputs for the rows: the ids left-padded and their mask."""
+        input_ids, attention_mask = left_padded(sequences, pad_id)
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
     def _generation_config(self):
         """The settings it writes with: a copy of the trainer's sampling settings."""

@@ -29,8 +29,9 @@ from .self_teacher_weights import (
 # hundreds of tokens); below it the one extra forward saves too little
 SHARED_PREFIX_MIN_TOKENS = 64
 # The optimizer step's counts of that forward in `trainer.step_counts`, for the FLOPs (`lens.compute.ComputeCounter`):
-# the rows' prompt positions it stood in for, and its own tokens each time it ran
-SHARED_PREFIX_COUNTS = ("teacher_prefix_shared_tokens", "teacher_prefix_run_tokens")
+# scoring's: the rows' prompt positions it stood in for, and its own tokens each time it ran; writing's: the positions
+# it stood in for less its own tokens each time it ran
+SHARED_PREFIX_COUNTS = ("teacher_prefix_shared_tokens", "teacher_prefix_run_tokens", "teacher_writing_prefix_saved")
 
 
 class SelfTeacher(InProcessTeacher):
@@ -148,15 +149,9 @@ class SelfTeacher(InProcessTeacher):
         trainer = self.trainer
         model = trainer.accelerator.unwrap_model(self.model)
         device = trainer.accelerator.device
-        prefix = tuple(prompts[0][:length])
-        cached = self._prefix_cache
-        ran = cached is None or cached[0] != prefix or self.kind != "base"
-        if ran:
-            with trainer.accelerator.autocast():
-                cached = (prefix, model(torch.tensor([prefix], device=device), use_cache=True).past_key_values)
-            self._prefix_cache = cached if self.kind == "base" else None
+        cached, ran = self._shared_prefix_keys_values(model, prompts[0][:length])
         if trainer.step_counts is not None and trainer.model.training:  # the FLOPs count what ran, once
-            trainer.step_counts.add(**dict(zip(SHARED_PREFIX_COUNTS, (length * len(prompts), length * ran))))
+            trainer.step_counts.add(**dict(zip(SHARED_PREFIX_COUNTS[:2], (length * len(prompts), length * ran))))
         args = trainer.args
         batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
         pad_id = trainer._tokenizer.pad_token_id
@@ -170,7 +165,7 @@ class SelfTeacher(InProcessTeacher):
             completion_ids, completion_mask = completion_padded(chunk, pad_id)
             mask = torch.cat([torch.ones(len(chunk), length, dtype=torch.long), rest_mask, completion_mask], 1)
             positions = (mask.cumsum(1) - 1).clamp(min=0)[:, length:]
-            past = copy.deepcopy(cached[1])
+            past = copy.deepcopy(cached)
             past.batch_repeat_interleave(len(chunk))
             with trainer.accelerator.autocast():
                 logits = model(
@@ -183,6 +178,42 @@ class SelfTeacher(InProcessTeacher):
             logps = selective_log_softmax(logits.float() / trainer.temperature, completion_ids.to(device))
             scores += [RowScores(logps[i, : len(c)]) for i, c in enumerate(chunk)]
         return batch_rows(answered(scores), len(scores))
+
+    def _shared_prefix_keys_values(self, model, prefix: list[int]):
+        """The keys and values of `prefix` (a start every row shares) and whether its forward ran for them: once per
+        call, once per run for the frozen `"base"` teacher while the start stays the same."""
+        prefix, cached = tuple(prefix), self._prefix_cache
+        ran = cached is None or cached[0] != prefix or self.kind != "base"
+        if ran:
+            device = self.trainer.accelerator.device
+            with torch.no_grad(), self.trainer.accelerator.autocast():
+                cached = (prefix, model(torch.tensor([prefix], device=device), use_cache=True).past_key_values)
+            self._prefix_cache = cached if self.kind == "base" else None
+        return cached[1], ran
+
+    def _generation_inputs(self, sequences, pad_id) -> dict:
+        """As [`InProcessTeacher`]'s, with the start every row shares (the solved examples before each question) run
+        once: its keys and values as the cache `generate` goes on from, each row's own tokens after it, the padding
+        between the two (its positions count on across it, as in `_score_after_shared_prefix`). The teacher's
+        writing then counts that start each time its forward ran (`teacher_writing_prefix_saved`: the positions it
+        stood in for, less its own tokens when it ran)."""
+        length = self._shared_prefix_length(sequences)
+        if not length:
+            return super()._generation_inputs(sequences, pad_id)
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(self.generation_model)
+        cached, ran = self._shared_prefix_keys_values(model, sequences[0][:length])
+        if trainer.step_counts is not None and trainer.model.training:
+            trainer.step_counts.add(teacher_writing_prefix_saved=length * len(sequences) - length * ran)
+        past = copy.deepcopy(cached)
+        past.batch_repeat_interleave(len(sequences))
+        rest_ids, rest_mask = left_padded([row[length:] for row in sequences], pad_id)
+        start = torch.tensor([sequences[0][:length]] * len(sequences), dtype=torch.long)
+        return {
+            "input_ids": torch.cat([start, rest_ids], 1),
+            "attention_mask": torch.cat([torch.ones_like(start), rest_mask], 1),
+            "past_key_values": past,
+        }
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """As [`InProcessTeacher`]'s, on the batch's teacher prompts (`teacher_prompt_ids`, one list per row)."""
