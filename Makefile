@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-gemma3 test lint demo demo-real bench lab study-lab study-lab-quick forgetting-study two-teachers self-distill-study clean
+.PHONY: install install-gemma3 test lint demo demo-real bench lab study-lab study-lab-quick check-lab forgetting-study two-teachers self-distill-study clean
 
 install: $(STAMP)
 
@@ -102,6 +102,11 @@ demo-real: $(STAMP)
 STUDY_LAB_FLAGS = --grpo_flags docs/study/grpo-fair-test/grpo_flags.json --constant_advantage -0.24668953950372977
 study-lab: $(STAMP)
 	$(BIN)/python recipes/studies/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab $(STUDY_LAB_FLAGS)
+
+# Every Table 2 number (docs/study/summary.json, STUDY.md's comparison rows) recomputed from the committed item scores
+# (docs/study/items/table2.json, packed from runs/study-lab by `recipes/studies/lab_items.py pack`); fails where one differs.
+check-lab: $(STAMP)
+	$(BIN)/python recipes/studies/lab_items.py check docs/study/items/table2.json
 
 # The same runs for seed 0 only: every comparison with its interval over test problems, no spread over seeds.
 study-lab-quick: $(STAMP)

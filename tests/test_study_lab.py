@@ -69,7 +69,11 @@ def test_paired_comparison_and_its_bootstrap_interval(tmp_path, monkeypatch):
     for seed in (0, 1):
         write_items(tmp_path / f"seed{seed}" / "better", [1] * 30 + [0] * 70)  # +0.30 on 30 of 100 items
         write_items(tmp_path / f"seed{seed}" / "lucky", [1] + [0] * 99)  # +0.01, always the same item
-    results = {c["run"]: c for c in study_lab.compare_runs(tmp_path, [0, 1]) if c["task"] == "gsm8k"}
+    results = {
+        c["run"]: c
+        for c in study_lab.compare_runs(study_lab.folder_item_scores(tmp_path), [0, 1])
+        if c["task"] == "gsm8k"
+    }
     assert results["better"]["per_seed"] == pytest.approx([0.30, 0.30])
     low, high = results["better"]["ci95"]
     assert 0.18 < low < 0.30 < high < 0.42 and results["better"]["real"]
@@ -90,7 +94,7 @@ def test_retention_flips_count_each_item_that_changed_whichever_way(tmp_path):
 
     write(tmp_path / "base", [1, 1, 1, 0, 0, 0])
     write(tmp_path / "seed0" / "swaps", [0, 0, 1, 1, 1, 0])
-    flips = study_lab.retention_flips(tmp_path, [0], ["swaps"])["swaps"]
+    flips = study_lab.retention_flips(study_lab.folder_item_scores(tmp_path), [0], ["swaps"])["swaps"]
     assert flips["truthfulqa"] == {"lost": [2], "gained": [2], "items": 6}
     assert flips["mmlu"] == {"lost": [0], "gained": [0], "items": 1}
 

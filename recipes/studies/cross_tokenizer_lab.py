@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from study_lab import SCORES, SMOKE_FLAGS, compare_runs, comparison_table, run
+from study_lab import SCORES, SMOKE_FLAGS, compare_runs, comparison_table, folder_item_scores, run
 
 RECIPES = Path(__file__).resolve().parents[1]
 CONFIG = RECIPES / "configs" / "lab" / "opd.yaml"
@@ -197,7 +197,7 @@ def main():
             "numbers_first_10_steps": [number_signal(run, 1, 10) for run in runs],
             "numbers_last_10_steps": [number_signal(run, n - 9, n) for run, n in zip(runs, steps)],
         }
-    summary["comparisons"] = compare_runs(out, args.seeds, COMPARISONS)
+    summary["comparisons"] = compare_runs(folder_item_scores(out), args.seeds, COMPARISONS)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     text = summary_table(summary) + "\n" + comparison_table(summary["comparisons"], args.seeds)
     (out / "summary.md").write_text(text)

@@ -167,9 +167,12 @@ def main():
     if not all((out / f"seed{seed}" / name / "results.json").exists() for seed in args.seeds for name in names):
         print("some runs are not done yet (--runs): no report or summary")
         return
-    summary = summarize(out, args.seeds, names)
-    comparisons = compare_runs(out, args.seeds, COMPARISONS + (CONTROL_COMPARISONS if args.constant_advantage else []))
-    flips = retention_flips(out, args.seeds, names)
+    summary = summarize(lambda name, seed: run_outcome(out, name, seed), args.seeds, names)
+    scores_of = folder_item_scores(out)
+    comparisons = compare_runs(
+        scores_of, args.seeds, COMPARISONS + (CONTROL_COMPARISONS if args.constant_advantage else [])
+    )
+    flips = retention_flips(scores_of, args.seeds, names)
     minutes = (time.perf_counter() - started) / 60
     (out / "summary.json").write_text(
         json.dumps(
@@ -196,22 +199,31 @@ def study_runs(grpo_flags: Path | None, constant_advantage: float | None) -> lis
     return runs + (CONTROLS if constant_advantage is not None else [])
 
 
-def summarize(out: Path, seeds: list[int], names: list[str]) -> dict:
-    """Per run (`names`): every Table 2 column as mean, standard deviation and the per-seed values."""
-    base_scores = json.loads((out / "base" / "results.json").read_text())["after"]["scores"]
+def run_outcome(out: Path, name: str, seed: int | None) -> dict:
+    """A run's final scores by task and its last probe MMD (`None` without probes), from its `results.json`; the
+    base's (`name="base"`) from the study's base evaluation."""
+    results = json.loads((out / ("base" if name == "base" else f"seed{seed}/{name}") / "results.json").read_text())
+    drift = results["final_drift"]
+    return {"scores": {task: results["after"]["scores"][task] for task in SCORES}, "mmd": drift and drift["mmd"]}
+
+
+def summarize(outcome_of, seeds: list[int], names: list[str]) -> dict:
+    """Per run (`names`): every Table 2 column as mean, standard deviation and the per-seed values.
+    `outcome_of(name, seed)`: the run's [`run_outcome`] (or the committed one, `recipes/studies/lab_items.py`)."""
+    base_scores = outcome_of("base", None)["scores"]
     table = {"base": {task: {"mean": base_scores[task], "std": 0.0, "values": [base_scores[task]]} for task in SCORES}}
     for name in names:
         columns = {}
         for seed in seeds:
-            results = json.loads((out / f"seed{seed}" / name / "results.json").read_text())
-            scores = results["after"]["scores"]
+            outcome = outcome_of(name, seed)
+            scores = outcome["scores"]
             values = {task: scores[task] for task in SCORES}
             try:
                 values.update(retention_summary(base_scores, scores))
             except ValueError:  # a retention task the base scored 0 on: retention is undefined
                 pass
-            if results["final_drift"]:
-                values["mmd"] = results["final_drift"]["mmd"]
+            if outcome["mmd"] is not None:
+                values["mmd"] = outcome["mmd"]
             for column, value in values.items():
                 columns.setdefault(column, []).append(value)
         table[name] = {
@@ -227,15 +239,25 @@ def run_item_scores(run_dir: Path) -> dict[str, dict[str, float]]:
     return {task: item_scores(items, task, ITEM_SCORE[task]) for task in SCORES}
 
 
-def compare_runs(out: Path, seeds: list[int], comparisons: list[tuple] | None = None) -> list[dict]:
+def folder_item_scores(out: Path):
+    """`scores_of(name, seed)` for a study folder: a run's item scores (`run_item_scores`), the base's for `"base"`."""
+
+    def scores_of(name: str, seed: int) -> dict[str, dict[str, float]]:
+        return run_item_scores(out / "base" if name == "base" else out / f"seed{seed}" / name)
+
+    return scores_of
+
+
+def compare_runs(scores_of, seeds: list[int], comparisons: list[tuple] | None = None) -> list[dict]:
     """For each of ``comparisons`` (`(label, run, reference)`, default ``COMPARISONS``) and task: the run minus its
     reference, per seed (paired on the same seed; the base is shared), and a 95% bootstrap interval of the seed-mean
     difference, resampling test problems (the same problems for every seed, so the interval covers which problems the
-    test happens to hold, not seed noise)."""
+    test happens to hold, not seed noise). `scores_of(name, seed)`: a run's item scores by task and question
+    ([`folder_item_scores`], or the committed items, `recipes/studies/lab_items.py`)."""
     comparisons = COMPARISONS if comparisons is None else comparisons
-    base = run_item_scores(out / "base")
+    base = scores_of("base", None)
     names = {name for _, run, reference in comparisons for name in (run, reference) if name != "base"}
-    scores = {(name, seed): run_item_scores(out / f"seed{seed}" / name) for name in names for seed in seeds}
+    scores = {(name, seed): scores_of(name, seed) for name in names for seed in seeds}
     results = []
     for label, run, reference in comparisons:
         for task in SCORES:
@@ -262,17 +284,17 @@ def compare_runs(out: Path, seeds: list[int], comparisons: list[tuple] | None = 
     return results
 
 
-def retention_flips(out: Path, seeds: list[int], names: list[str]) -> dict:
+def retention_flips(scores_of, seeds: list[int], names: list[str]) -> dict:
     """Per run and retention task: the items the base answers right and the run wrong (`lost`) and the reverse
     (`gained`), per seed. A mean change hides flips that cancel: a run can lose 20 items and gain 20."""
-    base = run_item_scores(out / "base")
+    base = scores_of("base", None)
     flips = {}
     for name in names:
         flips[name] = {}
         for task in RETENTION:
             lost, gained = [], []
             for seed in seeds:
-                scores = run_item_scores(out / f"seed{seed}" / name)[task]
+                scores = scores_of(name, seed)[task]
                 lost.append(sum(1 for q, right in base[task].items() if right and not scores[q]))
                 gained.append(sum(1 for q, right in base[task].items() if not right and scores[q]))
             flips[name][task] = {"lost": lost, "gained": gained, "items": len(base[task])}

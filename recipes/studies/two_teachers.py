@@ -38,7 +38,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from study_lab import BOOTSTRAP_SAMPLES, SCORES, SMOKE_FLAGS, compare_runs, comparison_table, run
+from study_lab import BOOTSTRAP_SAMPLES, SCORES, SMOKE_FLAGS, compare_runs, comparison_table, folder_item_scores, run
 
 RECIPES = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(RECIPES))  # each arm runs recipes/opd.py's `main` in its own process (`train`)
@@ -248,7 +248,7 @@ def main():
     for seed in options.seeds:
         write_report([out / f"seed{seed}" / arm for arm in ARMS], out / f"seed{seed}" / "report", base=out / "base")
     summary = summarize(out, options.seeds, options.lab_seed)
-    comparisons = compare_runs(out, options.seeds, COMPARISONS)
+    comparisons = compare_runs(folder_item_scores(out), options.seeds, COMPARISONS)
     summary.update(seeds=options.seeds, teachers=teachers, kb_share=KB_SHARE, kb_teacher=KB_TEACHER,
                    bootstrap_samples=BOOTSTRAP_SAMPLES, comparisons=comparisons)  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
