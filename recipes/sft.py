@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from trl import ModelConfig, SFTConfig, SFTTrainer, TrlParser, get_peft_config
 
 from trl_statelens import StateLensSFTTrainer
-from trl_statelens.guards import check_mode
+from trl_statelens.guards import RunGuards, check_mode
 from trl_statelens.preflight import check_preflight_settings
 from trl_statelens.reports.runs import (
     RecipeArguments,
@@ -30,11 +30,14 @@ class SFTScriptArguments(RecipeArguments):
 
     Args:
         guards: the run guards' mode: `"warn"`, `"stop"` or `"off"` (docs/guards.md).
+        max_base_kl: the forgetting guard's budget on the probes' `base_kl` (nats per token against the starting
+            model); `None`, the default, leaves that guard off.
         preflight: the preflight's mode: `"warn"`, `"strict"` or `"off"` (docs/preflight.md).
         preflight_prompts: training prompts the preflight samples.
     """
 
     guards: str = "warn"
+    max_base_kl: float | None = None
     preflight: str = "warn"
     preflight_prompts: int = 16
 
@@ -50,15 +53,17 @@ def build_trainer(args: SFTScriptArguments, training_args: SFTConfig, model_args
     model_path = resolve_model(model_args.model_name_or_path, args.lab_seed)
     callback = state_logging_callback(args)
     trainer_class = SFTTrainer if args.baseline == "stock" else StateLensSFTTrainer
-    keywords = {}  # the StateLens trainer's own
+    keywords, callbacks = {}, [callback]  # the StateLens trainer's own
     if args.baseline != "stock":
         keywords = dict(guards=args.guards, preflight=args.preflight, preflight_prompts=args.preflight_prompts)
+        if args.max_base_kl is not None:  # the trainer attaches no guards of its own beside these
+            callbacks.append(RunGuards(args.guards, max_base_kl=args.max_base_kl))
     trainer = trainer_class(
         model=model_path,
         args=training_args,
         train_dataset=load_train_data(args, training_args.seed),
         peft_config=get_peft_config(model_args),
-        callbacks=[callback],
+        callbacks=callbacks,
         **keywords,
     )
     callback.trainer = trainer  # a stock trainer does not attach it itself

@@ -239,6 +239,10 @@ def test_recipe_sets_the_trainers_guards_and_preflight(tmp_path, student_path, t
     default = build()
     assert held(default, RunGuards) and held(default, PreflightCallback)
     assert build("--preflight_prompts", "4")._preflight_prompts == 4
+    if recipe == "sft":  # the forgetting guard's budget: one RunGuards, in the run's mode, with that budget
+        (guards,) = [cb for cb in build("--guards", "stop", "--max_base_kl", "0.1").callback_handler.callbacks
+                     if isinstance(cb, RunGuards)]  # fmt: skip
+        assert guards.mode == "stop" and guards.guards.max_base_kl == 0.1
     with pytest.raises(ValueError, match="guards must be one of"):
         namespace["parse_arguments"](["--output_dir", str(tmp_path / "bad"), "--guards", "halt"])
 
