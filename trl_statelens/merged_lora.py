@@ -14,12 +14,13 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def _mergeable_layers(model) -> list | None:
     """The LoRA linear layers of `model` whose merged weight replaces the adapter exactly, or `None` where the model
     is not a PEFT LoRA model whose every adapted layer is one (DoRA, embeddings, convolutions, `modules_to_save`, an
-    adapter already merged or disabled: those keep sampling through the adapter)."""
+    adapter already merged or disabled, weights sharded into DTensors: those keep sampling through the adapter)."""
     try:
         from peft import PeftModel
         from peft.tuners.lora import Linear, LoraLayer
@@ -35,6 +36,8 @@ def _mergeable_layers(model) -> list | None:
     layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
     for layer in layers:
         if type(layer) is not Linear or layer.merged or layer.disable_adapters:
+            return None
+        if isinstance(layer.get_base_layer().weight, DTensor):  # sharded at load (FSDP2 without accelerate's plugin)
             return None
         if any(layer.use_dora.get(name, False) for name in adapters):
             return None
