@@ -11,7 +11,7 @@ the original tensor is put back: the base is untouched, at the price of one copy
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -68,7 +68,7 @@ def merged_lora_for_sampling(trainer, model):
             originals.append((weight, weight.data))
             weight.data = weight.data + delta.to(weight.dtype)
     try:
-        with model.disable_adapter() if originals else nullcontext():
+        with model.disable_adapter():
             yield
     finally:
         for weight, original in originals:
