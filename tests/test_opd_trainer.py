@@ -13,6 +13,7 @@ from trl import DistillationConfig, DistillationTrainer
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer, StateLoggingCallback
 from trl_statelens.lab import build_model
 from trl_statelens.lens.records import STATE_SOURCES
+from trl_statelens.teachers.in_process import rows_shifted
 
 
 def opd_config(tmp_path, **kwargs):
@@ -293,6 +294,57 @@ def test_constant_advantage_trains_the_same_whatever_the_teacher(
     assert not torch.allclose(teacher_params, equal_params)
     assert log_history(control, "statelens/weight/mean") == [pytest.approx(-0.5)] * 2
     assert all(kl > 0.01 for kl in log_history(control, "teacher_kl/sampled"))  # the lens still sees the teacher
+
+
+# ----- the shuffled-teacher control -----------------------------------------------------------------------------
+def test_rows_shifted_gives_each_row_another_rows_values_cut_or_repeated_to_its_length():
+    lengths = torch.tensor([3, 5, 1, 4])
+    mask = (torch.arange(5)[None, :] < lengths[:, None]).long()
+    values = torch.arange(4 * 5 * 2, dtype=torch.float32).reshape(4, 5, 2)  # every (row, position) distinct
+    shifted = rows_shifted(values, mask, 1)
+    assert shifted.shape == values.shape
+    sources = []
+    for row in range(4):
+        source = (row + 1) % 4
+        sources.append(source)
+        for position in range(5):
+            assert torch.equal(shifted[row, position], values[source, position % lengths[source]])
+    assert sorted(sources) == [0, 1, 2, 3] and all(s != r for r, s in enumerate(sources))  # a permutation, no row kept
+    assert torch.equal(
+        rows_shifted(values, mask, 4), values[torch.arange(4)[:, None], torch.arange(5) % lengths[:, None]]
+    )
+
+
+@pytest.mark.parametrize("signal", ["reverse_kl", "divergence"])
+def test_shifted_teacher_equal_to_student_trains_on_other_rollouts_values(
+    tmp_path, math_trained_path, math_dataset, signal
+):
+    """A teacher equal to the student says nothing (the test above); with `teacher_row_shift` each rollout gets
+    another rollout's values, so the KL and the gradient are no longer zero. Failed with the shift left out of either
+    signal's path."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(math_trained_path),
+        args=opd_config(tmp_path, max_steps=1, signal=signal, temperature=1.0, teacher_row_shift=1),
+        train_dataset=math_dataset,
+    )
+    trainer.train()
+    assert abs(log_history(trainer, "teacher_kl/sampled")[0]) > 1e-3  # 100x the unshifted bound above
+    assert log_history(trainer, "grad_norm")[0] > 1e-2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(teacher_row_shift=-1), "teacher_row_shift must be 0"),
+        (dict(teacher_row_shift=1, signal="continuation"), "with signal='continuation'"),
+        (dict(teacher_row_shift=1, constant_advantage=-0.5), "with constant_advantage"),
+        (dict(teacher_row_shift=1, teacher_model_server_url="http://localhost:1"), "in-process teacher"),
+    ],
+)
+def test_teacher_row_shift_refused_where_it_has_no_values_to_move(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        opd_config(tmp_path, **kwargs)
 
 
 def test_constant_advantage_needs_reverse_kl(tmp_path):

@@ -109,6 +109,13 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             this advantage instead of the teacher's (negative: each sampled token pushed down, the control of "Does
             OPD Really Distill?", arXiv 2608.31046). The teacher still scores the rollouts, so the lens shows how far
             the student moves toward it without its signal. `None` (default) trains on the teacher's advantage.
+        teacher_row_shift (`int`, *optional*, defaults to `0`):
+            A control for the teacher's information: each rollout is trained against the teacher's values for another
+            rollout of the same micro-batch, the one `teacher_row_shift` rows on (cyclically), position `t` taking
+            that rollout's position `t` modulo its length (`reverse_kl`: the teacher's log-probs; `divergence`: its
+            distributions). The update keeps its size and spread and the student trains on its own rollouts, but
+            without the teacher's preference among this rollout's tokens. The records hold the values trained on.
+            `0` (default) is off. An in-process teacher of the student's tokenizer only.
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
@@ -330,6 +337,10 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     constant_advantage: float | None = field(
         default=None,
         metadata={"help": "reverse_kl only: this advantage on every supervised token instead of the teacher's."},
+    )
+    teacher_row_shift: int = field(
+        default=0,
+        metadata={"help": "A control: each rollout trained on the teacher's values for the rollout this many on."},
     )
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "from_pretrained kwargs for a teacher given by path or hub id."}

@@ -92,6 +92,23 @@ class ConfigChecks:
                 "reverse_kl advantage; continuation and divergence have no sampled-token advantage to replace. Use "
                 "signal='reverse_kl' or leave constant_advantage unset"
             )
+        if self.teacher_row_shift < 0:
+            raise ValueError(
+                f"teacher_row_shift must be 0 (off) or a positive number of rows, got {self.teacher_row_shift}"
+            )
+        if self.teacher_row_shift and (self.signal == "continuation" or self.constant_advantage is not None):
+            raise ValueError(
+                f"teacher_row_shift={self.teacher_row_shift} with "
+                + ("signal='continuation'" if self.signal == "continuation" else "constant_advantage")
+                + ": the shift moves the teacher's values on the student's rollouts between rows, which this "
+                "trains on none of. Use signal='reverse_kl' or 'divergence' without constant_advantage, or leave "
+                "teacher_row_shift=0"
+            )
+        if self.teacher_row_shift and (self.teacher_model_kind is not None or self.teacher_model_server_url):
+            raise ValueError(
+                f"teacher_row_shift={self.teacher_row_shift} needs an in-process teacher of the student's tokenizer, "
+                "not a self or served teacher: load the teacher in process, or leave teacher_row_shift=0"
+            )
         if self.reward_weight != 0.0 and self.signal != "reverse_kl":
             raise ValueError(
                 f"reward_weight={self.reward_weight} with signal={self.signal!r}: the reward advantage is added to the "

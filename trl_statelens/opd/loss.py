@@ -25,6 +25,7 @@ from ..lens.records import SKIPPED
 from ..teachers import resolve_rows, resolved_signal
 from ..teachers.alignment import TeacherSignal, chunk_totals, shared_out_over_chunks, spread_over_chunks
 from ..teachers.decisions import Decision
+from ..teachers.in_process import rows_shifted
 from .rollouts import LEARNER
 from .selection import divergence_on_scored_rows
 
@@ -158,6 +159,8 @@ class LossMixin:
             )
             self._loss_logps_and_entropies = None  # recorded below, with per-token sources and teacher log-probs
             teacher_logps = self._resolve_teacher_logps(inputs)  # waits here for a served teacher's answer
+            if self.args.teacher_row_shift:  # the shuffled-teacher control: another rollout's log-probs
+                teacher_logps = rows_shifted(teacher_logps, completion_mask, self.args.teacher_row_shift)
             if self.teacher.crosses_tokenizers:  # (decided by the teachers, not the rows: the same on every rank)
                 signal = resolved_signal(inputs["teacher_scores"], completion_ids)
             compared_logps = logps.detach()

@@ -33,6 +33,7 @@ from ..teachers import (
     served_teacher,
     teacher_in_process,
 )
+from ..teachers.in_process import InProcessTeacher
 from ..teachers.self_teacher import SHARED_PREFIX_COUNTS
 from ..trainers.grpo import StateLensGRPOTrainer
 from .cache import TeacherCache
@@ -258,6 +259,11 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
             self.teacher = teacher_in_process(self, teacher_model, teacher_path)
         if not self.teacher.crosses_tokenizers:
             refuse_reading_student_text(args, [False])
+        if args.teacher_row_shift and type(self.teacher) is not InProcessTeacher:
+            raise ValueError(
+                f"teacher_row_shift={args.teacher_row_shift} needs one in-process teacher of the student's tokenizer, "
+                f"got a {type(self.teacher).__name__}: give one such teacher, or leave teacher_row_shift=0"
+            )
         self._suppress_unreadable_ids()
         check_teacher_prompt_lengths(self)  # a self teacher checked its own before its copy was made
         # TRL's name (as `DistillationTrainer`'s): the prepared teacher model in this process, None when none is (a

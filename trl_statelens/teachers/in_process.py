@@ -54,6 +54,17 @@ def stand_in_chunk(rows: slice, input_ids: torch.Tensor) -> slice:
     return slice(0, 1) if rows.start >= input_ids.size(0) else rows
 
 
+def rows_shifted(values: torch.Tensor, completion_mask: torch.Tensor, shift: int) -> torch.Tensor:
+    """`values` (`(B, T, ...)`, per completion position) with row `i` taken from row `(i + shift) % B`, its position `t`
+    from that row's position `t` modulo the row's completion length (`completion_mask`'s count; at least 1): the
+    shuffled-teacher control (`teacher_row_shift`)."""
+    rows = values.size(0)
+    source = (torch.arange(rows, device=values.device) + shift) % rows
+    lengths = completion_mask.sum(1).clamp(min=1).to(values.device)[source]
+    positions = torch.arange(values.size(1), device=values.device)[None, :] % lengths[:, None]
+    return values[source[:, None], positions]
+
+
 class InProcessTeacher(Teacher):
     """A teacher model in the training processes, scored through `trainer`'s chunked LM-head path, generating with
     `trainer`'s sampling settings.
@@ -227,6 +238,8 @@ class InProcessTeacher(Teacher):
                     )  # fmt: skip
                 if age == 0:
                     slot.teacher_hidden = teacher_hidden
+            if trainer.args.teacher_row_shift:  # the shuffled-teacher control: another rollout's distributions
+                teacher_hidden = rows_shifted(teacher_hidden, batch["completion_mask"], trainer.args.teacher_row_shift)
             teacher_head = self._teacher_output_layer(teacher)
         # The loss and the records' per-token values (both models' token log-probs, the student's entropy) in one
         # pass over the vocabulary
