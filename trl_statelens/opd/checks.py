@@ -4,6 +4,8 @@ problem and the fix (docs/bad-input.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import GenerationConfig
 
 from ..checks import check_train_dataset, context_length, named_splits
@@ -190,6 +192,21 @@ def teacher_checks(args, tokenizer, model, train_dataset, eval_dataset):
         return check_before_loading(args, tokenizer, path, served, end_token_ids=ends, conversational=conversational)
 
     return check
+
+
+def refuse_unread_top_k(args, served_crosses: list[bool | None]) -> None:
+    """`teacher_top_k` away from its default where no served teacher reads it (`served_crosses`: per served teacher,
+    whether it has another tokenizer than the student's; `None`: not known yet): outside `divergence`, only a served
+    teacher of another tokenizer reads it (its moved ends)."""
+    default = next(f.default for f in dataclasses.fields(args) if f.name == "teacher_top_k")
+    if args.signal == "divergence" or args.teacher_top_k == default or any(c is None or c for c in served_crosses):
+        return
+    raise ValueError(
+        f"teacher_top_k={args.teacher_top_k} (default {default}): with signal={args.signal!r} it is read only by a "
+        "served teacher of another tokenizer than the student's (the top-k log-probs that move its ends), and this "
+        "run's served teacher shares the student's tokenizer, so it would train exactly as with the default. Leave it "
+        "at its default"
+    )
 
 
 def refuse_reading_student_text(args, crosses: list[bool | None]) -> None:

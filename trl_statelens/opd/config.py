@@ -281,7 +281,11 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             and with `teacher_top_k` equal to the vocabulary size there is no tail: the exact divergence. How the
             loss and gradient at each k compare with the exact ones on the lab: BENCHMARKS.md, "Top-k divergence
             from a served teacher". An in-process teacher always gives the exact full-vocabulary divergence (and
-            does not read `teacher_top_k`).
+            does not read `teacher_top_k`). A served teacher of another tokenizer (`reverse_kl`, `continuation`)
+            reads it too: its top-k log-probs per position move its "ends here" off the student's tokens whose end
+            only its longer tokens can say (docs/cross-tokenizer.md), exact where every such longer token is among
+            them, a lower bound otherwise; 0 (allowed there) moves nothing. It warns below the k that kept the error
+            small on the lab.
         teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
             Seconds to wait for the server at start-up, and for each answer.
         teacher_server_max_retries (`int`, *optional*, defaults to `3`):
@@ -398,7 +402,8 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
     teacher_top_k: int = field(
         default=32,
         metadata={
-            "help": "Teacher top-k log-probs per position for `divergence` with a served teacher (plus a tail)."
+            "help": "Teacher top-k log-probs per position for `divergence` with a served teacher (plus a tail), and "
+            "for the moved ends of a served teacher of another tokenizer."
         },
     )
     teacher_server_timeout: float = field(
@@ -444,10 +449,11 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             )
         if not 0.0 <= self.kl_discount <= 1.0:
             raise ValueError(f"kl_discount must be in [0, 1], got {self.kl_discount}")
-        if self.teacher_top_k < 1:
+        if self.teacher_top_k < (1 if self.signal == "divergence" else 0):
             raise ValueError(
-                f"teacher_top_k must be at least 1 teacher token per position, got {self.teacher_top_k} (the "
-                "divergence from a served teacher is computed on its top-k tokens plus a tail bucket)"
+                f"teacher_top_k must be at least 1 teacher token per position with signal='divergence' (the divergence "
+                "from a served teacher is computed on its top-k tokens plus a tail bucket), and at least 0 otherwise "
+                f"(a served teacher of another tokenizer then moves no ends), got {self.teacher_top_k}"
             )
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.jsd_beta}")

@@ -142,7 +142,9 @@ class ConfigChecks:
                 self.teacher_model_kind is not None or self.teacher_reads_context,
             ),
             "teacher_model_init_kwargs": ("a teacher loaded from a path or hub id", loads_a_path is not False),
-            "teacher_top_k": ("signal='divergence' with a served teacher", divergence and maybe_served),
+            # (a served teacher of another tokenizer reads it under any signal, one of the student's with divergence
+            # only: `refuse_unread_top_k` once the teachers' tokenizers are known)
+            "teacher_top_k": ("a served teacher, with signal='divergence' or another tokenizer", maybe_served),
             **{name: ("a served teacher", maybe_served) for name in SERVER_SETTINGS},
         }
         defaults = {f.name: f.default for f in dataclasses.fields(self)}

@@ -42,6 +42,7 @@ from .checks import (
     check_teacher_prompt_lengths,
     check_teacher_settings_are_read,
     refuse_reading_student_text,
+    refuse_unread_top_k,
     teacher_checks,
 )
 from .config import MIX_SOURCES, OnPolicyDistillConfig
@@ -189,6 +190,11 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                 else:
                     crosses.append(None)  # an instance or a server: known once it is reached
             refuse_reading_student_text(args, crosses)
+            # a served one, given by URL alone, shares the student's tokenizer
+            served = [
+                t for t in teacher_model.values() if isinstance(t, str) and t.startswith(("http://", "https://"))
+            ]
+            refuse_unread_top_k(args, [False] * len(served))
             loaded_teachers = load_teachers(teacher_model, args)
         elif args.teacher_model_server_url is not None:
             if not (teacher_model is None or isinstance(teacher_model, str)):
@@ -198,11 +204,14 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                     "(its weights are not loaded)"
                 )
             teacher_path, teacher_model = teacher_model, None
+            crosses = False  # given by URL alone, it shares the student's tokenizer
             if teacher_path is not None:
                 check = teacher_checks(
                     args, _student_tokenizer(model, processing_class), model, train_dataset, eval_dataset
                 )
-                refuse_reading_student_text(args, [check(teacher_path, served=True)])
+                crosses = check(teacher_path, served=True)
+                refuse_reading_student_text(args, [crosses])
+            refuse_unread_top_k(args, [crosses])
         elif teacher_model is None:
             raise ValueError(
                 "OnPolicyDistillTrainer needs a teacher_model (an instance, a path or a hub id), or the address of a "

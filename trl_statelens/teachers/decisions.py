@@ -82,12 +82,18 @@ def decision_table(student_vocab: ByteVocabulary, teacher_vocab: ByteVocabulary)
 
 
 def decision_kinds(
-    alignment: TokenAlignment, student_ids, teacher_ids, table: DecisionTable, moved: torch.Tensor | None = None
+    alignment: TokenAlignment,
+    student_ids,
+    teacher_ids,
+    table: DecisionTable,
+    moved: torch.Tensor | None = None,
+    whole_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each student token's [`Decision`] `(n_student,)` for the values carried over `alignment` (of `student_ids` and
     `teacher_ids`), with the teacher's ends moved for the ids `moved` marks ([`alignment.move_teacher_ends`]'s
-    `movable`; `None` where nothing was moved, as for a served teacher). One pass over the row; the only lookups are
-    in the teacher's sorted spellings."""
+    `movable`; `None` where nothing was moved). `whole_terms` `(n_teacher,)` (`None`: all): per teacher token, whether
+    the term moved at its end held the mass of every longer teacher token (a served teacher's holds those among its
+    top-k only: a lower bound). One pass over the row; the only lookups are in the teacher's sorted spellings."""
     student_ends = alignment.student_boundaries[1:].tolist()
     teacher_offsets = alignment.teacher_boundaries.tolist()
     teacher_cut = {offset: j for j, offset in enumerate(teacher_offsets)}
@@ -113,7 +119,8 @@ def decision_kinds(
                 None not in pieces[i:j] and table.teacher_goes_on(b"".join(pieces[i:j]))
                 for i in range(earliest, j - 1)
             )
-            covered = not last_goes_on or (moved is not None and bool(moved[student_id]))
+            whole = whole_terms is None or bool(whole_terms[j - 1])
+            covered = not last_goes_on or (moved is not None and bool(moved[student_id]) and whole)
             resolved, settled = not crossing and covered, not crossing and not last_goes_on
         if signal[k] == TeacherSignal.EXACT:
             kinds[k] = Decision.EXACT if start_resolved and resolved else Decision.BOUND

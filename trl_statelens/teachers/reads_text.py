@@ -20,7 +20,6 @@ from .alignment import (
     align_token_ids,
     move_teacher_ends,
     student_token_teacher_logprobs,
-    student_tokens_the_teacher_extends,
 )
 from .base import RowScores, joined
 from .byte_vocab import ByteVocabulary, byte_vocabulary, special_token_map, unmapped_special_message
@@ -161,10 +160,6 @@ class ReadsText:
         self.unreadable_student_ids = [
             i for i, spelled in enumerate(self.student_vocab.token_bytes) if spelled is None and i not in self.specials
         ]
-        # The student's tokens whose end only the teacher's longer tokens can say (a digit against numbers kept whole):
-        # a served teacher, which cannot move its "ends here" off them (`alignment.move_teacher_ends`), warns of them
-        extended = set(student_tokens_the_teacher_extends(self.student_vocab, self.teacher_vocab))
-        self.movable = torch.tensor([spelled in extended for spelled in self.student_vocab.token_bytes])
         # which carried values are the teacher's probability of the student's decision (`alignment/per_decision_exact`)
         self.decision_table = decision_table(self.student_vocab, self.teacher_vocab)
         # An in-process teacher moves its "goes on" mass onto every student token whose end the student does not
@@ -172,7 +167,7 @@ class ReadsText:
         # with one tokenizer on both sides that mass is always 0, and it is not computed
         self.moves_ends = self.student_vocab.token_bytes != self.teacher_vocab.token_bytes
         self._teacher_sorted = None  # the teacher's spellings in order, with their ids: sorted on first use (the ends
-        # terms of an in-process teacher whose tokens extend the student's; a served one never asks)
+        # terms, `extensions`)
         self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
         # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
         self.number_tokens = torch.tensor(
@@ -318,10 +313,14 @@ class ReadsText:
         """Each teacher prompt followed by the student's prefix, if any, in the teacher's tokens."""
         return joined(prompts, None if prefixes is None else [self.respell(prefix) for prefix in prefixes])
 
-    def _carry(self, completions, teacher_completions, scores: list[RowScores], end_logmass=None) -> list[RowScores]:
+    def _carry(
+        self, completions, teacher_completions, scores: list[RowScores], end_logmass=None, whole_terms=None
+    ) -> list[RowScores]:
         """The teacher's log-probs of its own tokens (`scores`, one row per completion) on the student's tokens, with
         each token's `signal`; with `end_logmass` (one `(n_teacher,)` row per completion), each teacher token's "ends
-        here" moved where the student says it ([`move_teacher_ends`])."""
+        here" moved where the student says it ([`move_teacher_ends`]). `whole_terms` (rows alike, `None`: all whole):
+        per teacher token, whether its term holds every longer token (a served teacher's holds those among its
+        top-k only); a value moved with a partial term is not the decision's."""
         carried = []
         for i, (student_ids, teacher_ids, row) in enumerate(
             zip(completions, teacher_completions, scores, strict=True)
@@ -329,15 +328,19 @@ class ReadsText:
             alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
             moved = None if end_logmass is None else end_logmass[i]
             values, signal = self._carried_row(alignment, student_ids, row.logps, moved)
-            decision = self._decisions(alignment, student_ids, teacher_ids, moved is not None)
+            whole = None if whole_terms is None else whole_terms[i]
+            decision = self._decisions(alignment, student_ids, teacher_ids, moved is not None, whole)
             carried.append(RowScores(values, signal=signal, decision=decision))
         return carried
 
-    def _decisions(self, alignment: TokenAlignment, student_ids, teacher_ids, ends_moved: bool) -> torch.Tensor:
+    def _decisions(
+        self, alignment: TokenAlignment, student_ids, teacher_ids, ends_moved: bool, whole_terms=None
+    ) -> torch.Tensor:
         """Per student token, whether its carried value is the teacher's probability of the student's decision
-        ([`decisions.decision_kinds`]; `ends_moved`: whether `move_teacher_ends` ran on the row)."""
+        ([`decisions.decision_kinds`]; `ends_moved`: whether `move_teacher_ends` ran on the row, `whole_terms` as in
+        `_carry`)."""
         moved = self.decision_table.free_ends if ends_moved else None
-        return decision_kinds(alignment, student_ids, teacher_ids, self.decision_table, moved)
+        return decision_kinds(alignment, student_ids, teacher_ids, self.decision_table, moved, whole_terms)
 
     def _carried_row(self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None):
         """One row of `_carry`, its alignment made: `(values, signal)` on the student's tokens."""
