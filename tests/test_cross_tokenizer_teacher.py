@@ -122,8 +122,8 @@ def test_teacher_of_another_tokenizer_scores_the_same_text_chunk_by_chunk(
     digits = tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
     numbers = [b for b in teacher.teacher_vocab.token_bytes if b and b.isdigit() and len(b) > 1]
     starting = {i for i, d in zip(digits, range(10)) if any(b.startswith(str(d).encode()) for b in numbers)}
-    assert starting and {i for i in digits if teacher.movable[i]} == starting
-    assert not teacher.movable[tokenizer.eos_token_id]
+    assert starting and all(teacher.decision_table.free_ends[i] for i in starting)
+    assert not teacher.decision_table.free_ends[tokenizer.eos_token_id]
     rows = [math_dataset[i] for i in range(4)]
     completions = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
     completions[0] = completions[0] + [tokenizer.eos_token_id]
@@ -412,12 +412,13 @@ def test_a_served_teacher_of_another_tokenizer_scores_as_the_same_teacher_in_pro
         trainer = OnPolicyDistillTrainer(
             model=str(math_trained_path),
             teacher_model=str(other_teacher_path),
-            args=opd_config(tmp_path, max_steps=2, teacher_model_server_url=server.url),
+            args=opd_config(tmp_path, max_steps=2, teacher_model_server_url=server.url, teacher_top_k=0),
             train_dataset=math_dataset,
         )
         served = trainer.teacher
         assert isinstance(served, ServedCrossTokenizerTeacher) and trainer.teacher_model is None
-        assert "known defect" in caplog.text  # this pair's digits end where only the teacher's numbers can say
+        # this pair's digits end where only the teacher's numbers can say, and k=0 moves nothing
+        assert "teacher_top_k=0" in caplog.text and "nothing moves" in caplog.text
         rows = [dict(row) for row in math_dataset.select(range(2)) for _ in range(2)]
         trainer.model.train()
         batch = trainer._generate_and_score_completions(rows)
@@ -430,8 +431,8 @@ def test_a_served_teacher_of_another_tokenizer_scores_as_the_same_teacher_in_pro
             AutoModelForCausalLM.from_pretrained(other_teacher_path),
             AutoTokenizer.from_pretrained(other_teacher_path),
         )
-        # (the in-process teacher's values before the ends are moved: a served teacher answers log-probs only, so it
-        # keeps the known defect, and says so when it is made)
+        # (the in-process teacher's values before the ends are moved: with teacher_top_k=0 a served teacher answers
+        # the actual tokens' log-probs only, and says so when it is made; moved ends: test_cross_tokenizer_served.py)
         respelled = [in_process.respell(c) for c in completions]
         unmoved = in_process._carry(
             completions, respelled, in_process._score_rows(in_process.prompts(prompts, rows), respelled)

@@ -971,7 +971,7 @@ def test_images_inside_prompt_messages_are_refused_before_any_model_loads(tmp_pa
         (dict(teacher_update_rate=0.1), "teacher_update_rate=0.1 (read only with teacher_model_kind='ema'"),
         (dict(teacher_model_kind="base", teacher_update_rate=0.1), "teacher_update_rate=0.1 (read only with"),
         (dict(teacher_prompt_template="{prompt} {privileged_context}"), "read only with a teacher_model_kind"),
-        (dict(signal="reverse_kl", teacher_top_k=8), "teacher_top_k=8 (read only with signal='divergence' with a"),
+        (dict(signal="reverse_kl", teacher_model_kind="live", teacher_top_k=8), "teacher_top_k=8 (read only with a"),
         (dict(signal="divergence", teacher_model_kind="live", teacher_top_k=8), "teacher_top_k=8 (read only"),
         (dict(teacher_model_kind="live", teacher_server_timeout=5.0), "teacher_server_timeout=5.0 (read only with"),
         (dict(teacher_model_kind="live", teacher_model_init_kwargs={"dtype": "float32"}), "teacher_model_init_kw"),
@@ -1002,7 +1002,7 @@ def test_teacher_settings_are_checked_against_the_teachers_given(tmp_path, math_
             args=opd_config(tmp_path, teacher_model_init_kwargs={"dtype": "float32"}),
             train_dataset=math_dataset,
         )
-    with pytest.raises(ValueError, match="teacher_top_k=8 .*read only with signal='divergence' with a served"):
+    with pytest.raises(ValueError, match="teacher_top_k=8 .*read only with a served teacher"):
         OnPolicyDistillTrainer(
             model=str(tmp_path / "no-student"),
             teacher_model=str(tmp_path / "no-teacher"),  # in the process: the exact divergence, no top-k
