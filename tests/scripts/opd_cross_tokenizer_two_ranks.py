@@ -1,12 +1,15 @@
-"""On-policy distillation from a teacher of another tokenizer on two DDP ranks, launched by
-tests/test_cross_tokenizer_teacher.py with `accelerate launch --multi_gpu --num_processes 2`.
+"""On-policy distillation from a teacher of another tokenizer on two ranks, DDP or DeepSpeed ZeRO-3, launched by
+tests/test_cross_tokenizer_*.py with `accelerate launch --multi_gpu --num_processes 2` (or
+`test_multiprocess.launch_zero3`).
 
 Usage: accelerate launch --multi_gpu --num_processes 2 opd_cross_tokenizer_two_ranks.py STUDENT TEACHER OUT [SAME
 [SETTINGS]]
 
-Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, the teacher's class) and the exact and
-supervised tokens of its own rows per step, counted from its batches, with the teacher of each row; the trainer's
-`alignment/exact` is summed over both ranks. With SAME (a teacher of the student's tokenizer), the two are routed:
+Each rank writes `OUT/rank<i>.json` with what ran (world size, backend, ZeRO stage, the teacher's class and its
+model's, optimizer steps) and the exact and supervised tokens of its own rows per step, counted from its batches, with
+the teacher of each row, the rows it asked the teacher to write and the tokens the teacher wrote in its own tokens;
+the trainer's `alignment/exact` is summed over both ranks. With SAME (a teacher of the student's tokenizer; `-` for
+none), the two are routed:
 prompts alternate between `same` and `other` (TEACHER), so a rank can hold only same-tokenizer rows at a step.
 SETTINGS, a JSON object, are further `OnPolicyDistillConfig` settings (`signal`, `state_source_mix`). With
 `{"signal": "divergence"}` each step's counts add the supervised positions given a distribution of the teacher (a
@@ -34,7 +37,7 @@ from trl_statelens.teachers.alignment import TeacherSignal  # noqa: E402
 
 torch.set_num_threads(1)
 student_path, teacher_path, output_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-same_path = sys.argv[4] if len(sys.argv) > 4 else None
+same_path = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
 settings = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 rows = LabWorld(seed=0).math("train", n=16)
 dataset = Dataset.from_list([{"prompt": format_plain(r["question"])} for r in rows])
@@ -76,7 +79,7 @@ def mapped_positions(inputs, supervised) -> int:
 def counting_loss(model, inputs):
     if model.training:
         signal = resolved_signal(inputs["teacher_scores"], inputs["completion_ids"])
-        supervised = inputs["completion_mask"].bool()
+        supervised = inputs.get("loss_mask", inputs["completion_mask"]).bool()  # continuation: the teacher's tokens
         counts.append([int(((signal == TeacherSignal.EXACT) & supervised).sum()), int(supervised.sum())])
         if trainer.args.signal == "divergence":
             counts[-1].append(mapped_positions(inputs, supervised))
@@ -84,13 +87,29 @@ def counting_loss(model, inputs):
     return compute_loss(model, inputs)
 
 
+written_rows = []  # per teacher generation on this rank: the rows it asked the teacher to write (0: it only joined)
+generate = trainer.teacher.generate
+
+
+def counting_generate(prompts, *args, **kwargs):
+    written_rows.append(len(prompts))
+    return generate(prompts, *args, **kwargs)
+
+
 trainer._compute_loss = counting_loss
+trainer.teacher.generate = counting_generate
 trainer.train()
 accelerator = trainer.accelerator
+plugin = accelerator.state.deepspeed_plugin
 report = {
     "world_size": accelerator.num_processes,
     "backend": str(getattr(accelerator.state, "backend", "")),
+    "zero_stage": None if plugin is None else plugin.zero_stage,
+    "global_step": trainer.state.global_step,
     "teacher": type(trainer.teacher).__name__,
+    "teacher_engine": type(getattr(trainer.teacher, "model", None)).__name__,
+    "written_rows": written_rows,
+    "own_tokens_written": trainer._own_tokens_written(),
     "counts": counts,
     "teachers": teachers,
     "log_history": trainer.state.log_history,
