@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-gemma3 test lint demo demo-real bench lab study-lab study-lab-quick check-lab forgetting-study two-teachers self-distill-study clean
+.PHONY: install install-gemma3 test lint demo demo-real bench lab study-lab study-lab-quick check-lab same-start forgetting-study two-teachers self-distill-study clean
 
 install: $(STAMP)
 
@@ -104,9 +104,18 @@ study-lab: $(STAMP)
 	$(BIN)/python recipes/studies/study_lab.py --seeds 0 1 2 --jobs 3 --out runs/study-lab $(STUDY_LAB_FLAGS)
 
 # Every Table 2 number (docs/study/summary.json, STUDY.md's comparison rows) recomputed from the committed item scores
-# (docs/study/items/table2.json, packed from runs/study-lab by `recipes/studies/lab_items.py pack`); fails where one differs.
+# (docs/study/items/table2.json, packed from runs/study-lab by `recipes/studies/lab_items.py pack`), and the same-start
+# study's result (docs/study/same-start/result.json) from its items.json; fails where one differs.
 check-lab: $(STAMP)
 	$(BIN)/python recipes/studies/lab_items.py check docs/study/items/table2.json
+	$(BIN)/python recipes/studies/same_start.py check --records docs/study/same-start
+
+# OPD against RL from the same start (STUDY.md): the dev rule, then grpo100 and three OPD arms for seeds 0-2 from the
+# lab study's mild SFT runs (make study-lab first), then the records in docs/study/same-start/.
+same-start: $(STAMP)
+	$(BIN)/python recipes/studies/same_start.py dev --jobs 2
+	$(BIN)/python recipes/studies/same_start.py test --jobs 3
+	$(BIN)/python recipes/studies/same_start.py compare
 
 # The same runs for seed 0 only: every comparison with its interval over test problems, no spread over seeds.
 study-lab-quick: $(STAMP)

@@ -75,7 +75,8 @@ def test_ratio_reads_the_curves_with_and_without_the_warm_start(records):
 
 
 def test_check_recomputes_and_names_a_changed_number(tmp_path, records):
-    (tmp_path / "items.json").write_text(json.dumps(records))
+    (tmp_path / "items.json").write_text(json.dumps(same_start.packed(records)))
+    assert same_start.unpacked(same_start.packed(records)) == records
     (tmp_path / "result.json").write_text(json.dumps(same_start.analyse(records)))
     same_start.check_phase(tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())

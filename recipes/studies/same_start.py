@@ -223,6 +223,45 @@ def lab_teacher_record() -> dict:
     return {"info": info, "making_flops": 6.0 * parameters * tokens}
 
 
+def packed(records: dict) -> dict:
+    """`records` with each item-score dict written as a string of 0/1 over its task's questions, listed once (each
+    score is right or wrong): the committed form, a tenth of the size. [`unpacked`] gives the records back."""
+    questions = {}
+
+    def pack(scores: dict, task: str) -> str:
+        order = questions.setdefault(task, sorted(scores))
+        if sorted(scores) != order and not set(scores) <= set(order):
+            raise ValueError(f"{task}: items outside the questions seen first")
+        if any(scores[q] not in (0.0, 1.0) for q in scores):
+            raise ValueError(f"{task}: a score other than 0 or 1 cannot be packed")
+        return "".join("." if q not in scores else str(int(scores[q])) for q in order)
+
+    def runs(run: dict) -> dict:
+        return {"final": {t: pack(v, t) for t, v in run["final"].items()}, "flops": run["flops"],
+                "during": {step: {"items": pack(at["items"], "gsm8k"), "flops": at["flops"]}
+                           for step, at in run["during"].items()}}  # fmt: skip
+
+    base = {t: pack(v, t) for t, v in records["base"].items()}
+    out = {name: {seed: runs(run) for seed, run in seeds.items()} for name, seeds in records["runs"].items()}
+    return {**records, "base": base, "runs": out, "questions": questions}
+
+
+def unpacked(records: dict) -> dict:
+    questions = records["questions"]
+
+    def unpack(scores: str, task: str) -> dict:
+        return {q: float(c) for q, c in zip(questions[task], scores, strict=True) if c != "."}
+
+    def runs(run: dict) -> dict:
+        return {"final": {t: unpack(v, t) for t, v in run["final"].items()}, "flops": run["flops"],
+                "during": {step: {"items": unpack(at["items"], "gsm8k"), "flops": at["flops"]}
+                           for step, at in run["during"].items()}}  # fmt: skip
+
+    base = {t: unpack(v, t) for t, v in records["base"].items()}
+    out = {name: {seed: runs(run) for seed, run in seeds.items()} for name, seeds in records["runs"].items()}
+    return {key: value for key, value in records.items() if key != "questions"} | {"base": base, "runs": out}
+
+
 # ----- the result, from the records alone ---------------------------------------------------------------------------
 def analyse(records: dict) -> dict:
     seeds = records["seeds"]
@@ -242,7 +281,7 @@ def analyse(records: dict) -> dict:
                     (("warm_start_excluded", False), ("warm_start_included", True))}
               for arm in OPD_ARMS}  # fmt: skip
     return {"seeds": seeds, "table": table, "comparisons": comparisons, "compute": compute, "ratios": ratios,
-            "lab_teacher": records["lab_teacher"]}  # fmt: skip
+            "start_on_curve_problems": start_on_curve_problems(records), "lab_teacher": records["lab_teacher"]}  # fmt: skip
 
 
 def paired_comparisons(scores_of, seeds, base) -> list[dict]:
@@ -330,7 +369,7 @@ def compare_phase(study: Path, out: Path, seeds: list[int], records_dir: Path) -
     records = collect(study, out, seeds)
     result = analyse(records)
     records_dir.mkdir(parents=True, exist_ok=True)
-    (records_dir / "items.json").write_text(json.dumps(records, separators=(",", ":")))
+    (records_dir / "items.json").write_text(json.dumps(packed(records), separators=(",", ":")))
     (records_dir / "result.json").write_text(json.dumps(result, indent=2))
     (records_dir / "result.md").write_text(result_markdown(result))
     for name in ("chosen.json", "dev.md"):
@@ -343,7 +382,7 @@ def compare_phase(study: Path, out: Path, seeds: list[int], records_dir: Path) -
 def check_phase(records_dir: Path) -> None:
     """Recompute `result.json` from the committed `items.json`; exit 1 naming the first number that differs."""
     committed = json.loads((records_dir / "result.json").read_text())
-    again = json.loads(json.dumps(analyse(json.loads((records_dir / "items.json").read_text()))))
+    again = json.loads(json.dumps(analyse(unpacked(json.loads((records_dir / "items.json").read_text())))))
     differences = _differences(committed, again)
     if differences:
         sys.exit(f"{records_dir}/result.json differs from its recomputation: {differences[:5]}")
@@ -378,7 +417,9 @@ def result_markdown(result: dict) -> str:
         lines.append(f"| {name} | {c['warm_start']:.3e} | {c['student']:.3e} | {c['teacher']:.3e} | "
                      f"{c['total_without_warm_start']:.3e} / {c['total_with_warm_start']:.3e} | "
                      f"{c['teacher_making']:.3e} |")  # fmt: skip
-    lines += ["", "OPD's FLOPs to reach GRPO's best (grpo100's smoothed seed-mean curve) over GRPO's there:", "",
+    lines += ["", "OPD's FLOPs to reach GRPO's best (grpo100's smoothed seed-mean curve on the 100 problems scored "
+              f"during training, where the start scores {result['start_on_curve_problems']:.3f}) over GRPO's there:",
+              "",
               "| arm | reading | GRPO's best (step) | OPD reaches it at step | ratio | 95% interval | resamples never "
               "reached |", "|---|---|---|---|---:|---|---:|"]  # fmt: skip
     for arm, readings in result["ratios"].items():
@@ -390,6 +431,16 @@ def result_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def start_on_curve_problems(records: dict) -> float:
+    """The mild SFT's score (its final evaluation) on the problems the curves are scored on, seed mean."""
+    scores = []
+    for seed in records["seeds"]:
+        curve = next(iter(records["runs"]["grpo100"][str(seed)]["during"].values()))["items"]
+        final = records["runs"]["mild_sft"][str(seed)]["final"]["gsm8k"]
+        scores.append(np.mean([final[q] for q in curve]))
+    return float(np.mean(scores))
+
+
 def plot_compute(records: dict, result: dict, path: Path) -> None:
     import matplotlib
 
@@ -398,20 +449,27 @@ def plot_compute(records: dict, result: dict, path: Path) -> None:
 
     figure, panels = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     styles = {"grpo100": "-", "opd_lab_teacher": "--", "opd_rl_teacher": "-.", "opd_shuffled_teacher": ":"}
-    start = result["table"]["mild_sft"]["gsm8k"]["mean"]
+    start = start_on_curve_problems(records)
     for axes, warm in zip(panels, (False, True)):
+        collapsed = []
         for colour, (name, style) in enumerate(styles.items()):
             arrays = curve_arrays(records, name, warm)
             _, scores, flops = mean_curve(arrays, np.arange(arrays[1].shape[-1]))
+            if max(scores) < start / 2:  # drawn on the axis it would flatten the others: named instead
+                collapsed.append(f"{name}: at most {max(scores):.3f} at every point, below the axis")
+                continue
             axes.plot(flops, scores, linestyle=style, marker="o", color=f"C{colour}", label=name)
-        axes.axhline(start, color="gray", linewidth=0.8, label="the start (mild SFT, full test split)")
+        axes.axhline(start, color="gray", linewidth=0.8, label=f"the start (mild SFT, same problems): {start:.3f}")
         best = result["ratios"]["opd_lab_teacher"]["warm_start_included" if warm else "warm_start_excluded"]
         axes.axhline(best["grpo_best"], color="black", linestyle=":", linewidth=0.8, label="GRPO's best")
+        if collapsed:
+            axes.text(0.02, 0.97, "\n".join(collapsed), transform=axes.transAxes, fontsize=8, color="C3", va="top")
+        axes.set_ylim(bottom=start - 0.02)
         axes.set_xscale("log")
         axes.set_xlabel("FLOPs as run, " + ("the warm start included" if warm else "the warm start excluded"))
         axes.set_title("warm start included" if warm else "warm start excluded (as Qwen3, Thinking Machines)")
     panels[0].set_ylabel("GSM8K-lab test accuracy (100 problems, greedy, smoothed)")
-    panels[0].legend(fontsize=8)
+    panels[0].legend(fontsize=8, loc="lower right")
     figure.suptitle(f"From the same start, seed mean of {len(records['seeds'])}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
