@@ -113,9 +113,10 @@ class OnPolicyDistillConfig(ConfigChecks, GRPOConfig):
             A control for the teacher's information: each rollout is trained against the teacher's values for another
             rollout of the same micro-batch, the one `teacher_row_shift` rows on (cyclically), position `t` taking
             that rollout's position `t` modulo its length (`reverse_kl`: the teacher's log-probs; `divergence`: its
-            distributions). The update keeps its size and spread and the student trains on its own rollouts, but
-            without the teacher's preference among this rollout's tokens. The records hold the values trained on.
-            `0` (default) is off. An in-process teacher of the student's tokenizer only.
+            distributions), on the student's own rollouts. A wrong teacher rather than an absent one: on the lab its
+            `divergence` was 90x the real teacher's and the student collapsed (STUDY.md, "OPD against RL from the
+            same start"). The records hold the values trained on. `0` (default) is off. An in-process teacher of the
+            student's tokenizer only.
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `from_pretrained` when the teacher is given as a path or hub id (a JSON string on the
             command line). `dtype` defaults to `"auto"` (the checkpoint's own dtype), as in TRL's `DistillationTrainer`.
