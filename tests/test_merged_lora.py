@@ -112,3 +112,46 @@ def test_opd_rollouts_of_a_lora_student_sample_merged(
     assert (max(during_generate) == 0) if merge else (min(during_generate) > 0)
     after = student.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())  # training still trains the adapter only
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_student_and_teacher_sample_in_the_precision_the_loss_runs_in(
+    tmp_path, math_trained_path, math_teacher_path, math_dataset, bf16
+):
+    """With `bf16=True` on a CPU (an fp32 model under autocast) the student's rollouts, its probes and the teacher's
+    written states decode under the same autocast as the loss's forward; without it, none does. Failed for the
+    rollouts, probes and teacher states before `student_sampling` (TRL's generation decodes in fp32)."""
+    from trl_statelens import StateLoggingCallback
+
+    args = OnPolicyDistillConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=2,
+        max_completion_length=8, learning_rate=1e-3, preflight="off", state_source_mix={"learner": 0.5, "teacher": 0.5},
+        **{**CPU, "bf16": bf16},
+    )  # fmt: skip
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(math_teacher_path),
+        args=args,
+        train_dataset=math_dataset,
+        callbacks=[
+            StateLoggingCallback(
+                probe_prompts=["Mia has 3 pens.", "Kai has 5 cups."], probe_steps=1, probe_max_new_tokens=4
+            )
+        ],
+    )
+    sampled = {"student": [], "teacher": []}  # per `generate` call, whether autocast was on inside it
+
+    def recording(name, model):
+        generate = model.generate
+
+        def recorded(*args, **kwargs):
+            sampled[name].append(torch.is_autocast_enabled("cpu"))
+            return generate(*args, **kwargs)
+
+        model.generate = recorded
+
+    recording("student", trainer.accelerator.unwrap_model(trainer.model))
+    recording("teacher", trainer.accelerator.unwrap_model(trainer.teacher_model))
+    trainer.train()
+    assert len(sampled["student"]) >= 3 and sampled["teacher"]  # rollouts and two probes; the teacher's states
+    assert set(sampled["student"]) == {bf16} and set(sampled["teacher"]) == {bf16}

@@ -73,3 +73,14 @@ def merged_lora_for_sampling(trainer, model):
     finally:
         for weight, original in originals:
             weight.data = original
+
+
+@contextmanager
+def student_sampling(trainer, model):
+    """How the student samples its rollouts, probes and preflight answers: through merged LoRA weights where they
+    apply ([`merged_lora_for_sampling`]), under the trainer's mixed-precision autocast, the precision its loss's
+    forward runs in. With `bf16=True` on a CPU an fp32 model then decodes in bf16, as it trains (1.5x faster decoding
+    for SmolLM2-135M on a CPU with bf16 instructions, BENCHMARKS.md 6.3); TRL's own generation decodes in fp32 there.
+    Without mixed precision nothing changes."""
+    with merged_lora_for_sampling(trainer, model), trainer.accelerator.autocast():
+        yield

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from trl.models.utils import unwrap_model_for_generation
 
 from ..checks import check_probe_lengths, context_length
-from ..merged_lora import merged_lora_for_sampling
+from ..merged_lora import student_sampling
 from .endings import answer_end_position, end_kinds, end_token_ids, mean_or_nan
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class ProbeMixin:
                 gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,  # re-enabled as it was
             ) as model,
             seeded_rng(device, self.probe_seed),
-            merged_lora_for_sampling(trainer, model),
+            student_sampling(trainer, model),
         ):
             was_training = model.training
             model.eval()

@@ -14,7 +14,7 @@ from trl.trainer.utils import pad
 from .. import collective
 from ..lens.endings import END_KINDS
 from ..lens.records import source_code
-from ..merged_lora import merged_lora_for_sampling
+from ..merged_lora import student_sampling
 from ..teachers.self_teacher import with_context
 from ..teachers.vocabulary import vocab_size
 from .checks import check_rows, row_columns
@@ -154,7 +154,7 @@ class RolloutsMixin:
 
     def _generate(self, prompts):
         length = self._set_rollout_length()
-        with merged_lora_for_sampling(self, self.accelerator.unwrap_model(self.model)):
+        with student_sampling(self, self.accelerator.unwrap_model(self.model)):
             output = super()._generate(prompts)
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = output
         batch = self._rollout_batch

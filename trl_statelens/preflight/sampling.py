@@ -13,7 +13,7 @@ from trl.models.utils import unwrap_model_for_generation
 from ..answers import repeats_itself
 from ..lens.endings import END_KINDS
 from ..lens.probes import trainer_generation_config
-from ..merged_lora import merged_lora_for_sampling
+from ..merged_lora import student_sampling
 from ..teachers.base import left_padded
 
 
@@ -53,7 +53,7 @@ def student_answers(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
             trainer.accelerator,
             gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
         ) as model,
-        merged_lora_for_sampling(trainer, model),
+        student_sampling(trainer, model),
     ):
         torch.manual_seed(trainer.args.seed)
         was_training = model.training

@@ -127,13 +127,17 @@ class InProcessTeacher(Teacher):
         if suppress_tokens:
             generation_config.suppress_tokens = suppress_tokens
         # A teacher that shares the student turns its gradient checkpointing back on after generating: with the run's
-        # kwargs, as GRPO's own generation does (TRL forces `use_reentrant=True` for PEFT under ZeRO-3)
-        with unwrap_model_for_generation(
-            self.generation_model,
-            trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as teacher:
+        # kwargs, as GRPO's own generation does (TRL forces `use_reentrant=True` for PEFT under ZeRO-3). It writes
+        # under the trainer's autocast, the precision it scores in (`_get_per_token_logps_and_entropies`)
+        with (
+            unwrap_model_for_generation(
+                self.generation_model,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as teacher,
+            trainer.accelerator.autocast(),
+        ):
             out = teacher.generate(**inputs, generation_config=generation_config)
         return out[:, inputs["input_ids"].size(1) :].tolist()[: len(sequences)]
 
