@@ -73,8 +73,8 @@ demo: $(CORE)
 
 # The real-model study's chosen setting (recipes/configs/real/self_distill_demo.yaml): SmolLM2-135M-Instruct as its own
 # teacher behind four solved examples as chat turns, 40 steps on real GSM8K from ../shared/data, trained on the study's
-# pool (the data folder `real_opd_study.py data` writes: the same teacher shots as the study); 28 minutes on 2
-# cores (2026-12-06, docs/real-model.md). `QUICK=1`: 4 steps and 32 problems, 7 min 10 s (2026-12-05, empty model
+# pool (the data folder `real_opd_study.py data` writes: the same teacher shots as the study); 23 minutes on 2
+# cores in bf16 autocast (2026-12-07, docs/real-model.md). `QUICK=1`: 4 steps and 32 problems, 7 min 10 s (2026-12-05, empty model
 # cache): the path, not the effect. `REAL_DATA=hub make demo-real` reads the hub instead (network; GSM8K's whole
 # train split, so other shots).
 REAL_DATA ?= $(if $(wildcard ../shared/data/gsm8k/train.jsonl),../shared/data,)
