@@ -81,14 +81,18 @@ def test_sampling_keeps_the_adapter_where_a_merge_is_not_exact_or_not_asked_for(
     assert calls
 
 
+def _one_step(tmp_path, **settings) -> OnPolicyDistillConfig:
+    """One OPD step of 8 short rollouts, no preflight."""
+    defaults = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=2,
+                    max_completion_length=8, learning_rate=1e-3, preflight="off")  # fmt: skip
+    return OnPolicyDistillConfig(**{**defaults, **CPU, **settings})
+
+
 @pytest.mark.parametrize("merge", [True, False])
 def test_opd_rollouts_of_a_lora_student_sample_merged(
     tmp_path, math_trained_path, math_teacher_path, math_dataset, merge
 ):
-    args = OnPolicyDistillConfig(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=2,
-        max_completion_length=8, learning_rate=1e-3, preflight="off", merge_lora_for_sampling=merge, **CPU,
-    )  # fmt: skip
+    args = _one_step(tmp_path, merge_lora_for_sampling=merge)
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
         teacher_model=str(math_teacher_path),
@@ -123,11 +127,7 @@ def test_student_and_teacher_sample_in_the_precision_the_loss_runs_in(
     rollouts, probes and teacher states before `student_sampling` (TRL's generation decodes in fp32)."""
     from trl_statelens import StateLoggingCallback
 
-    args = OnPolicyDistillConfig(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=2,
-        max_completion_length=8, learning_rate=1e-3, preflight="off", state_source_mix={"learner": 0.5, "teacher": 0.5},
-        **{**CPU, "bf16": bf16},
-    )  # fmt: skip
+    args = _one_step(tmp_path, state_source_mix={"learner": 0.5, "teacher": 0.5}, bf16=bf16)
     trainer = OnPolicyDistillTrainer(
         model=str(math_trained_path),
         teacher_model=str(math_teacher_path),
