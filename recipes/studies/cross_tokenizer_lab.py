@@ -16,8 +16,8 @@ Then per seed each arm: `recipes/opd.py` with the lab config (`opd.yaml`: 75 ste
 results (STUDY.md, amendment): `independent`, a teacher of the student's tokenizer pretrained from another seed and
 fine-tuned the same way, as far from the student as the other tokenizer's teacher but reading its ids. `summary.json`
 and `summary.md` in `--out`: scores over seeds, paired comparisons with 95% bootstrap intervals over test problems
-(study_lab.py's), the teachers' own scores, the cross arm's `alignment/exact` (all tokens and digits), and
-`teacher_kl/sampled` at the first and last steps.
+(study_lab.py's), the teachers' own scores, the cross arm's `alignment/exact` (all tokens and digits) and
+`alignment/per_decision_exact`, and `teacher_kl/sampled` at the first and last steps.
 """
 
 import argparse
@@ -45,7 +45,8 @@ COMPARISONS = [
 TEACHER_STEPS, MORE_STEPS, MAX_TEACHER_STEPS = 300, 100, 600  # `build_teacher`'s 300 steps of 16, lr 5e-4
 MATCH_BY = 0.05
 EDGE_STEPS = 5  # teacher_kl "first" and "last": the mean over this many steps at each end
-RUN_COLUMNS = ("teacher_kl_first", "teacher_kl_last", "alignment_exact", "alignment_exact_numbers")
+RUN_COLUMNS = ("teacher_kl_first", "teacher_kl_last", "alignment_exact", "alignment_exact_numbers",
+               "alignment_per_decision_exact")  # fmt: skip
 
 
 def build_teacher_from_scratch(out: Path, tokenizer, seed: int, same_teacher: str, smoke: bool) -> dict:
@@ -111,7 +112,7 @@ def teacher_kl_ends(run_dir: Path) -> dict:
     history = [e for e in json.loads((run_dir / "log_history.json").read_text()) if "teacher_kl/sampled" in e]
     kl = [e["teacher_kl/sampled"] for e in history]
     shares = {}
-    for key in ("alignment/exact", "alignment/exact/numbers"):
+    for key in ("alignment/exact", "alignment/exact/numbers", "alignment/per_decision_exact"):
         logged = [e[key] for e in history if key in e]
         shares[key.replace("/", "_")] = float(np.mean(logged)) if logged else None
     return {"teacher_kl_first": float(np.mean(kl[:EDGE_STEPS])), "teacher_kl_last": float(np.mean(kl[-EDGE_STEPS:])),
@@ -213,8 +214,9 @@ def summary_table(summary: dict) -> str:
         )
     lines += [
         "",
-        "| arm | train seconds | teacher_kl first | teacher_kl last | alignment/exact | alignment/exact/numbers |",
-        "|---|---|---|---|---|---|",
+        "| arm | train seconds | teacher_kl first | teacher_kl last | alignment/exact | alignment/exact/numbers | "
+        "alignment/per_decision_exact |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm, run_ in summary["runs"].items():
         cells = [", ".join("-" if v is None else f"{v:.3f}" for v in run_[k])
