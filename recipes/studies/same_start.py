@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 from grpo_fair import GRPO_FLAGS, choose_fair
 from self_distill_study import smoothed
-from study_lab import BOOTSTRAP_SAMPLES, ITEM_SCORE, SCORES, comparison_table
+from study_lab import BOOTSTRAP_SAMPLES, SCORES, compare_runs, comparison_table, run_item_scores
 
-from trl_statelens.evaluation import item_scores, paired_interval
+from trl_statelens.evaluation import item_scores
 from trl_statelens.reports.run_folders import column, load_run, target_scores_during
 
 RECIPES = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def collect(study: Path, out: Path, seeds: list[int]) -> dict:
     """Per run and seed: the final item scores by task, the target's item scores at each evaluation during training
     (GSM8K-lab test, greedy strict), and the ledger's FLOPs in parts at the last step and at each of those evaluations;
     the base's final items; the lab teacher's test math and the FLOPs of its making."""
-    records = {"seeds": seeds, "base": _final_items(study / "base"), "runs": {}}
+    records = {"seeds": seeds, "base": run_item_scores(study / "base"), "runs": {}}
     for name in ["mild_sft", *ARMS]:
         records["runs"][name] = {}
         for seed in seeds:
@@ -192,16 +192,12 @@ def collect(study: Path, out: Path, seeds: list[int]) -> dict:
                 during[step] = {"items": item_scores(items, "gsm8k", "correct_strict"),
                                 "flops": {p: float(v[index]) for p, v in parts.items()}}  # fmt: skip
             records["runs"][name][str(seed)] = {
-                "final": _final_items(folder),
+                "final": run_item_scores(folder),
                 "flops": {p: float(v[-1]) for p, v in parts.items()},
                 "during": {str(step): during[step] for step in sorted(during)},
             }
     records["lab_teacher"] = lab_teacher_record()
     return records
-
-
-def _final_items(folder: Path) -> dict:
-    return {task: item_scores(folder / "eval" / "after.items.jsonl", task, ITEM_SCORE[task]) for task in SCORES}
 
 
 def lab_teacher_record() -> dict:
@@ -223,6 +219,21 @@ def lab_teacher_record() -> dict:
     return {"info": info, "making_flops": 6.0 * parameters * tokens}
 
 
+def _item_scores_converted(records: dict, convert) -> dict:
+    """`records` with `convert(scores, task)` applied to every item-score entry: the base's first, then each run's
+    final and during-training ones (the order [`packed`] lists questions in)."""
+    base = {task: convert(scores, task) for task, scores in records["base"].items()}
+
+    def run(entry: dict) -> dict:
+        return {"final": {task: convert(scores, task) for task, scores in entry["final"].items()},
+                "flops": entry["flops"],
+                "during": {step: {"items": convert(at["items"], "gsm8k"), "flops": at["flops"]}
+                           for step, at in entry["during"].items()}}  # fmt: skip
+
+    runs = {name: {seed: run(entry) for seed, entry in seeds.items()} for name, seeds in records["runs"].items()}
+    return {**records, "base": base, "runs": runs}
+
+
 def packed(records: dict) -> dict:
     """`records` with each item-score dict written as a string of 0/1 over its task's questions, listed once (each
     score is right or wrong): the committed form, a tenth of the size. [`unpacked`] gives the records back."""
@@ -230,20 +241,13 @@ def packed(records: dict) -> dict:
 
     def pack(scores: dict, task: str) -> str:
         order = questions.setdefault(task, sorted(scores))
-        if sorted(scores) != order and not set(scores) <= set(order):
+        if not set(scores) <= set(order):
             raise ValueError(f"{task}: items outside the questions seen first")
         if any(scores[q] not in (0.0, 1.0) for q in scores):
             raise ValueError(f"{task}: a score other than 0 or 1 cannot be packed")
         return "".join("." if q not in scores else str(int(scores[q])) for q in order)
 
-    def runs(run: dict) -> dict:
-        return {"final": {t: pack(v, t) for t, v in run["final"].items()}, "flops": run["flops"],
-                "during": {step: {"items": pack(at["items"], "gsm8k"), "flops": at["flops"]}
-                           for step, at in run["during"].items()}}  # fmt: skip
-
-    base = {t: pack(v, t) for t, v in records["base"].items()}
-    out = {name: {seed: runs(run) for seed, run in seeds.items()} for name, seeds in records["runs"].items()}
-    return {**records, "base": base, "runs": out, "questions": questions}
+    return {**_item_scores_converted(records, pack), "questions": questions}
 
 
 def unpacked(records: dict) -> dict:
@@ -252,14 +256,9 @@ def unpacked(records: dict) -> dict:
     def unpack(scores: str, task: str) -> dict:
         return {q: float(c) for q, c in zip(questions[task], scores, strict=True) if c != "."}
 
-    def runs(run: dict) -> dict:
-        return {"final": {t: unpack(v, t) for t, v in run["final"].items()}, "flops": run["flops"],
-                "during": {step: {"items": unpack(at["items"], "gsm8k"), "flops": at["flops"]}
-                           for step, at in run["during"].items()}}  # fmt: skip
-
-    base = {t: unpack(v, t) for t, v in records["base"].items()}
-    out = {name: {seed: runs(run) for seed, run in seeds.items()} for name, seeds in records["runs"].items()}
-    return {key: value for key, value in records.items() if key != "questions"} | {"base": base, "runs": out}
+    out = _item_scores_converted(records, unpack)
+    del out["questions"]
+    return out
 
 
 # ----- the result, from the records alone ---------------------------------------------------------------------------
@@ -275,27 +274,13 @@ def analyse(records: dict) -> dict:
         per_seed = {task: [float(np.mean(list(scores_of(name, s)[task].values()))) for s in seeds] for task in SCORES}
         table[name] = {task: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
                               "values": v} for task, v in per_seed.items()}  # fmt: skip
-    comparisons = paired_comparisons(scores_of, seeds, records["base"])
+    comparisons = compare_runs(scores_of, seeds, COMPARISONS)
     compute = {name: _flops_in_parts(records, name) for name in ARMS}
     ratios = {arm: {reading: opd_to_grpo_ratio(records, arm, warm) for reading, warm in
                     (("warm_start_excluded", False), ("warm_start_included", True))}
               for arm in OPD_ARMS}  # fmt: skip
     return {"seeds": seeds, "table": table, "comparisons": comparisons, "compute": compute, "ratios": ratios,
             "start_on_curve_problems": start_on_curve_problems(records), "lab_teacher": records["lab_teacher"]}  # fmt: skip
-
-
-def paired_comparisons(scores_of, seeds, base) -> list[dict]:
-    results = []
-    for label, run, reference in COMPARISONS:
-        for task in SCORES:
-            questions = sorted(base[task])
-            differences = np.array([[scores_of(run, s)[task][q] - scores_of(reference, s)[task][q] for q in questions]
-                                    for s in seeds])  # fmt: skip
-            low, high = paired_interval(differences, samples=BOOTSTRAP_SAMPLES)
-            results.append({"label": label, "run": run, "reference": reference, "task": task,
-                            "per_seed": differences.mean(1).tolist(), "mean": float(differences.mean()),
-                            "ci95": [low, high], "real": bool(low > 0 or high < 0)})  # fmt: skip
-    return results
 
 
 def _flops_in_parts(records: dict, name: str) -> dict:
