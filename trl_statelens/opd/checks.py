@@ -152,7 +152,7 @@ def _check_no_images(dataset, what: str) -> None:
         )
 
 
-def _is_url(teacher) -> bool:
+def is_url(teacher) -> bool:
     return isinstance(teacher, str) and teacher.startswith(("http://", "https://"))
 
 
@@ -163,8 +163,8 @@ def check_teacher_settings_are_read(teacher_model, args: OnPolicyDistillConfig) 
         return  # checked by the config already (or no teacher: refused below)
     teachers = list(teacher_model.values()) if isinstance(teacher_model, dict) else [teacher_model]
     args.check_settings_are_read(
-        served=any(_is_url(t) for t in teachers),
-        loads_a_path=any(isinstance(t, str) and not _is_url(t) for t in teachers),
+        served=any(is_url(t) for t in teachers),
+        loads_a_path=any(isinstance(t, str) and not is_url(t) for t in teachers),
     )
 
 

@@ -41,6 +41,7 @@ from .checks import (
     check_datasets,
     check_teacher_prompt_lengths,
     check_teacher_settings_are_read,
+    is_url,
     refuse_reading_student_text,
     refuse_unread_top_k,
     teacher_checks,
@@ -191,10 +192,7 @@ class OnPolicyDistillTrainer(RolloutsMixin, LossMixin, StateLensGRPOTrainer):
                     crosses.append(None)  # an instance or a server: known once it is reached
             refuse_reading_student_text(args, crosses)
             # a served one, given by URL alone, shares the student's tokenizer
-            served = [
-                t for t in teacher_model.values() if isinstance(t, str) and t.startswith(("http://", "https://"))
-            ]
-            refuse_unread_top_k(args, [False] * len(served))
+            refuse_unread_top_k(args, [False for t in teacher_model.values() if is_url(t)])
             loaded_teachers = load_teachers(teacher_model, args)
         elif args.teacher_model_server_url is not None:
             if not (teacher_model is None or isinstance(teacher_model, str)):
