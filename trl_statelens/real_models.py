@@ -43,6 +43,7 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
 )
+GEMMA3_TURN_END = "<end_of_turn>"
 
 
 def _say(message: str) -> None:
@@ -145,6 +146,22 @@ def build_gemma3(force: bool = False, log=_say) -> Path:
     of it the tokenizer's conversion; [`convert_gguf`]); return the folder. The tokenizer gets Gemma's chat layout
     (`GEMMA3_CHAT_TEMPLATE`), which the GGUF does not ship."""
     out = real_home() / GEMMA3
-    if (out / "config.json").exists() and not force:
-        return out
-    return convert_gguf(gemma3_gguf(), GEMMA3, out, chat_template=GEMMA3_CHAT_TEMPLATE, log=log)
+    if not (out / "config.json").exists() or force:
+        convert_gguf(gemma3_gguf(), GEMMA3, out, chat_template=GEMMA3_CHAT_TEMPLATE, log=log)
+    stop_at_turn_end(out, GEMMA3_TURN_END)
+    return out
+
+
+def stop_at_turn_end(folder: Path, turn_end: str) -> None:
+    """Make generation stop at `turn_end` as well as at the end-of-text token, in the folder's generation config. The
+    GGUF declares only `<eos>`, while the chat template closes every model turn with `<end_of_turn>`: without this a
+    model answering in its turn layout (a student, an evaluation) never stops at its turn's end. Folders converted
+    before 2026-12-07 are mended here, in place."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    config = GenerationConfig.from_pretrained(folder)
+    if isinstance(config.eos_token_id, list):  # mended already (the GGUF declares a single id): no tokenizer to load
+        return
+    declared = [] if config.eos_token_id is None else [config.eos_token_id]
+    config.eos_token_id = [*declared, AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(turn_end)]
+    config.save_pretrained(folder)

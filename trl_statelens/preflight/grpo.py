@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from ..teachers.byte_vocab import chat_turn_tokens
+from ..teachers.byte_vocab import chat_turn_tokens, special_token_ids
 from .sampling import ending_shares
 from .verdicts import Check, graded, skipped
 
@@ -33,7 +33,7 @@ def end_token_checks(trainer) -> list[Check]:
     }
     turn_end = None
     if getattr(tokenizer, "chat_template", None):
-        turn_end = chat_turn_tokens(tokenizer, set(tokenizer.all_special_ids)).get("end_of_turn")
+        turn_end = chat_turn_tokens(tokenizer, special_token_ids(tokenizer)).get("end_of_turn")
     if turn_end is None:
         return [skipped("end_tokens/turn_end_stops", "no chat template with an end-of-turn special token to compare")]
     details["turn_end"] = tokenizer.convert_ids_to_tokens(turn_end)

@@ -85,9 +85,7 @@ def byte_vocabulary(tokenizer, name: str | None = None) -> ByteVocabulary:
             "load it with `AutoTokenizer.from_pretrained(...)`, which gives the fast one when a tokenizer.json exists"
         )
     added_tokens = tokenizer.added_tokens_decoder
-    special_ids = {token_id for token_id, token in added_tokens.items() if token.special} | set(
-        tokenizer.all_special_ids
-    )
+    special_ids = special_token_ids(tokenizer)
     added_texts = {token.content for token in added_tokens.values() if not token.special}
     spell = token_speller(backend, name)
     vocab = backend.get_vocab(with_added_tokens=True)
@@ -160,6 +158,14 @@ def token_speller(backend, name: str):
         "byte-grounded tokens on both sides: use a byte-level or byte-fallback tokenizer (SmolLM2, Llama 3, Qwen, "
         "Gemma 3)"
     )
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Every id the tokenizer treats as special: its named special tokens and the added tokens flagged special. A
+    GGUF-converted tokenizer (Gemma 3's) flags its turn tokens special without naming them, so `all_special_ids`
+    alone misses `<end_of_turn>`."""
+    added = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added | set(tokenizer.all_special_ids)
 
 
 def chat_turn_tokens(tokenizer, special_ids: set[int]) -> dict[str, int]:
