@@ -1,5 +1,5 @@
 """A served teacher of another tokenizer moves its "ends here" from its top-k log-probs (`ServedCrossTokenizerTeacher`,
-`teachers/cross_tokenizer.py`): with every longer teacher token among them it carries what the same teacher carries in
+`teachers/served_cross_tokenizer.py`): with every longer teacher token among them it carries what the same teacher carries in
 the process, with none (k=0) it moves nothing, and in between its terms are lower bounds of the in-process ones."""
 
 import logging
@@ -12,8 +12,8 @@ from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.teachers import CrossTokenizerTeacher, ServedCrossTokenizerTeacher
-from trl_statelens.teachers.cross_tokenizer import ENDS_TOP_K
 from trl_statelens.teachers.decisions import Decision
+from trl_statelens.teachers.served_cross_tokenizer import ENDS_TOP_K
 
 
 def opd_config(path, **kwargs):
@@ -89,7 +89,7 @@ def test_a_served_teacher_warns_below_the_top_k_that_kept_its_ends_close(lab_pai
     trainer, _, _, server = lab_pair
     for k, warned in ((0, "nothing moves"), (ENDS_TOP_K - 1, "fewer leave more of it out"), (ENDS_TOP_K, None)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="trl_statelens.teachers.cross_tokenizer"):
+        with caplog.at_level(logging.WARNING, logger="trl_statelens.teachers.served_cross_tokenizer"):
             served_at(trainer, server, k)
         if warned is None:
             assert "teacher_top_k=" not in caplog.text

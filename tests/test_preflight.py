@@ -56,6 +56,21 @@ def test_teacher_whose_answers_never_end_fails_and_one_that_ends_passes(
     assert good["teacher/end_after_answer"]["value"] > 10 * bad["teacher/end_after_answer"]["value"]
 
 
+def test_turn_end_flagged_special_but_unnamed_is_checked(tokenizer):
+    """The lab tokenizer, like Gemma 3's converted one, flags its turn tokens special without naming them among its
+    special tokens: the check must still find `<|im_end|>` and fail where generation would not stop at it."""
+    from trl_statelens.preflight.grpo import end_token_checks
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end not in tokenizer.all_special_ids  # what made the check skip before
+    for end_ids, verdict in (([tokenizer.eos_token_id], "fail"), ([tokenizer.eos_token_id, im_end], "pass")):
+        trainer = SimpleNamespace(_tokenizer=tokenizer, eos_token_ids=end_ids,
+                                  model=SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=end_ids)))  # fmt: skip
+        (check,) = end_token_checks(trainer)
+        assert (check.name, check.verdict) == ("end_tokens/turn_end_stops", verdict)
+        assert check.details["turn_end"] == "<|im_end|>"
+
+
 def test_cut_student_warns_when_distilled_and_fails_grpo(tmp_path, math_trained_path, math_teacher_path, math_dataset):
     # OPD's teacher is there to fix a student that does not end: its cut share is a warning at most
     trainer = opd_trainer(tmp_path, math_trained_path, str(math_teacher_path), math_dataset, max_completion_length=2)

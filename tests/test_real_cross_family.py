@@ -72,6 +72,8 @@ def test_smollm2_teaches_gemma3_the_other_way_round(tmp_path, smollm2_path, gemm
     trainer = one_step_trainer(gemma3_path, smollm2_path, dataset, tmp_path)
     teacher = trainer.teacher
     assert isinstance(teacher, CrossTokenizerTeacher)
+    # Gemma answers in its turns, so its rollouts stop at `<end_of_turn>` too (the GGUF declares only `<eos>`)
+    assert trainer.processing_class.convert_ids_to_tokens(trainer.eos_token_ids) == ["<eos>", "<end_of_turn>"]
     ends = {teacher.tokenizer.convert_ids_to_tokens(teacher.specials[i]) for i in trainer.eos_token_ids}
     assert ends <= {"<|im_end|>", "<|endoftext|>"} and ends
     prompts = teacher.prompts(None, [dataset[0]])

@@ -28,8 +28,18 @@ import statistics
 import sys
 from pathlib import Path
 
-from real_opd_study import ENDS, ROOT, SETTING, SMOKE, arm_scores, dev_curve, paired, result_tables, write_dev_data
-from real_opd_study import write_test_data
+from real_opd_study import (
+    ENDS,
+    ROOT,
+    SETTING,
+    SMOKE,
+    arm_scores,
+    dev_curve,
+    paired,
+    result_tables,
+    write_dev_data,
+    write_test_data,
+)
 from study_lab import run
 
 from trl_statelens.real_models import GEMMA3, SMOLLM2
@@ -119,7 +129,9 @@ def choose(runs: dict[str, Path], base: dict[str, float], steps: list[int]) -> d
     if best is None:
         pick = {"candidate": next(iter(runs)), "steps": steps[-1]}
     else:
-        pick = min((r for r in passing if r["smoothed"] >= best - MARGIN - 1e-9), key=lambda r: (r["steps"], r["index"]))
+        pick = min(
+            (r for r in passing if r["smoothed"] >= best - MARGIN - 1e-9), key=lambda r: (r["steps"], r["index"])
+        )
     return {"candidate": pick["candidate"], "steps": pick["steps"], "best_smoothed": best,
             "moves": best is not None and best >= base["clean_format"] + MOVES_BY - 1e-9,
             "guard_failed": best is None, "base_dev": base, "candidates": rows}  # fmt: skip

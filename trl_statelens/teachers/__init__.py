@@ -40,18 +40,13 @@ each row to its own teacher, and a self teacher is handed its own prompts in pla
 """
 
 from .base import ResolvedScores, RowScores, Teacher, TeacherRow, answered, resolve_rows, resolved_signal
-from .cross_tokenizer import (
-    CrossTokenizerTeacher,
-    ServedCrossTokenizerTeacher,
-    check_before_loading,
-    served_teacher,
-    teacher_in_process,
-)
+from .cross_tokenizer import CrossTokenizerTeacher, check_before_loading, teacher_in_process
 from .in_process import InProcessTeacher
 from .loading import connect_served_teacher, load_teacher, load_teachers, without_zero3_init
 from .router import TeacherRouter
 from .self_teacher import SelfTeacher
 from .served import ServedTeacher
+from .served_cross_tokenizer import ServedCrossTokenizerTeacher, served_teacher
 from .server_client import TeacherServerClient, TeacherServerError, client_without_local_vllm
 from .vocabulary import read_tokenizer
 

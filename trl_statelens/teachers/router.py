@@ -8,7 +8,8 @@ import torch
 
 from ..heads import Divergence
 from .base import Teacher
-from .cross_tokenizer import served_teacher, teacher_in_process
+from .cross_tokenizer import teacher_in_process
+from .served_cross_tokenizer import served_teacher
 
 
 class TeacherRouter(Teacher):
