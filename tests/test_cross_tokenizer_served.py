@@ -111,3 +111,13 @@ def test_teacher_top_k_without_a_served_teacher_of_another_tokenizer_to_read_it_
     assert opd_config(tmp_path, teacher_model_server_url="http://127.0.0.1:1", teacher_top_k=0).teacher_top_k == 0
     with pytest.raises(ValueError, match="teacher_top_k must be at least 1 .*with signal='divergence'.*got 0"):
         opd_config(tmp_path, signal="divergence", teacher_top_k=0, teacher_model_server_url="http://127.0.0.1:1")
+
+
+def test_a_top_k_beyond_the_teachers_vocabulary_is_refused(lab_pair):
+    """More log-probs per position than the teacher has tokens is refused, naming the most that can be asked; its
+    whole vocabulary is allowed (every end moved exactly)."""
+    trainer, _, _, server = lab_pair
+    size = len(trainer.teacher.teacher_vocab)
+    with pytest.raises(ValueError, match=rf"teacher_top_k={size + 1} is more than the teacher's vocabulary \({size} "):
+        served_at(trainer, server, size + 1)
+    assert served_at(trainer, server, size).top_k == size

@@ -81,10 +81,16 @@ class ServedCrossTokenizerTeacher(ReadsText, ServedTeacher):
         # Checked up to its largest id that spells text: a special token past the model's rows (Gemma 3's
         # `<image_soft_token>`, at its 262,144) is never sent to it
         specials = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+        scored_ids = max(token_id for token_id in tokenizer.get_vocab().values() if token_id not in specials) + 1
+        if teacher.top_k > scored_ids:
+            raise ValueError(
+                f"teacher_top_k={teacher.top_k} is more than the teacher's vocabulary ({scored_ids} ids that spell "
+                f"text): set it to at most {scored_ids} (that many moves every end exactly)"
+            )
         teacher.server = TeacherServerClient(
             url or args.teacher_model_server_url,
             tokenizer,
-            max(token_id for token_id in tokenizer.get_vocab().values() if token_id not in specials) + 1,
+            scored_ids,
             timeout=args.teacher_server_timeout,
             max_retries=args.teacher_server_max_retries,
             retry_backoff=args.teacher_server_retry_backoff,
