@@ -181,6 +181,9 @@ def run_arm(arm, paths, tokenizer, dataset, steps, rollouts, completion_tokens, 
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     result["loss"] = [entry["loss"] for entry in logs][WARMUP_STEPS:]
     result["exact_share"] = [entry["alignment/exact"] for entry in logs if "alignment/exact" in entry][WARMUP_STEPS:]
+    result["per_decision_exact_share"] = [
+        entry["alignment/per_decision_exact"] for entry in logs if "alignment/per_decision_exact" in entry
+    ][WARMUP_STEPS:]
     if gold_path:
         result["gold"] = measure_gold(trainer, tokenizer, teacher, gold_path, batches[WARMUP_STEPS:])
     return result
@@ -390,6 +393,10 @@ def summarize(runs: dict, same_size: bool = True) -> tuple[list[dict], dict]:
         ratio_row("cross: alignment seconds per step", alignment),
         ratio_row("cross: alignment share of the step", [alignment_share(run) for run in cross]),
         ratio_row("cross: exact share of student tokens", [statistics.median(run["exact_share"]) for run in cross]),
+        ratio_row(
+            "cross: exact per decision, share of student tokens",
+            [statistics.median(run["per_decision_exact_share"]) for run in cross],
+        ),
         ratio_row(
             "cross: teacher tokens per student token", [run["teacher_tokens_per_student_token"] for run in cross]
         ),
