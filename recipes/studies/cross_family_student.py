@@ -49,6 +49,9 @@ DEV_STEPS, EVAL_EVERY, DEV_ITEMS = 20, 10, 32
 MARGIN, GUARD, MOVES_BY = 0.03, 0.05, 0.10  # the rule's tolerance below the best; repeats over the base; a move
 TEST_ITEMS = {"gsm8k": 250, "truthfulqa": 100}
 SMOKE_ITEMS = {"gsm8k": 2, "truthfulqa": 2}
+# The test's evaluation batch (the recipe's default is 16): Gemma's greedy decoding reads its weights once a step
+# whatever the batch, so four batches of 64 should take well under the time of sixteen of 16 (STUDY.md, the amendment)
+EVAL_BATCH = 64
 
 
 def bf16_flag() -> list[str]:
@@ -162,6 +165,7 @@ def test_phase(data: Path, out: Path, smoke: bool) -> dict:
         command = opd_command(folder / "gsm8k", run_dir, chosen["candidate"], chosen["steps"], smoke) + [
             "--eval_data", str(folder), "--eval_before", "true", "--eval_tasks", ",".join(items),
             "--eval_limit", ",".join(f"{task}={n}" for task, n in items.items()), "--preflight", "off",
+            "--eval_batch_size", str(EVAL_BATCH),
         ]  # fmt: skip
         run(command, out / "logs" / "test.log")
     arms = {
