@@ -24,10 +24,13 @@ from trl_statelens.heads import mapped_jsd
 from trl_statelens.teachers.alignment import (
     TeacherSignal,
     align_token_ids,
+    chunks_resolved,
     continuation_mass,
+    inner_prefixes,
     map_next_token_distribution,
     move_teacher_ends,
     next_token_map,
+    resolved_logprobs,
     student_token_teacher_logprobs,
     student_tokens_the_teacher_extends,
 )
@@ -363,6 +366,38 @@ def test_multi_digit_student_token_is_exact_against_single_digit_teacher_tokens(
     assert signal[3:5].tolist() == [TeacherSignal.CHUNK_INSIDE, TeacherSignal.CHUNK_END]
     assert values[3] == 0 and values[4] == teacher_logprobs[3:5].sum()
     assert 0.3 < alignment.exact_share < 1.0
+
+
+def test_a_chunk_resolved_from_prefix_masses_telescopes_to_its_value(whole, split):
+    """The student's single digits against the teacher's `1234`: each digit's end lies inside the teacher's number, so
+    its value is the difference of the teacher's log-prob of the text up to each end (the tokens before, then the log
+    prefix mass of `1`, `12`, `123` at the number's position): over the chunk they sum to its value, and every value
+    outside the chunk is the unresolved one."""
+    (whole_tokenizer, whole_vocab), (split_tokenizer, split_vocab) = whole, split
+    text = "Tom has 1234 apples."
+    student_ids, teacher_ids = ids(split_tokenizer, text), ids(whole_tokenizer, text)
+    number = whole_tokenizer.convert_ids_to_tokens(teacher_ids).index("1234")
+    alignment = align_token_ids(student_ids, teacher_ids, split_vocab, whole_vocab)
+    prefixes = inner_prefixes(alignment, teacher_ids, whole_vocab)
+    assert [p for p in prefixes if p[0] == number] == [(number, b"1"), (number, b"12"), (number, b"123")]
+    teacher_logprobs = random_logprobs(len(teacher_ids)).double()
+    masses = {b"1": -0.5, b"12": -0.9, b"123": -1.2}
+    inner = torch.tensor([masses[part] if j == number else -0.1 for j, part in prefixes], dtype=torch.float64)
+    resolved = chunks_resolved(alignment)
+    values = resolved_logprobs(resolved, teacher_logprobs, inner)
+    unresolved, signal = student_token_teacher_logprobs(alignment, teacher_logprobs)
+    digits = [k for k, t in enumerate(split_tokenizer.convert_ids_to_tokens(student_ids)) if t in "1234"]
+    assert signal[digits].tolist() == [TeacherSignal.CHUNK_INSIDE] * 3 + [TeacherSignal.CHUNK_END]
+    assert (resolved.signal[digits] == TeacherSignal.RESOLVED).all()
+    assert values[digits].tolist() == pytest.approx([-0.5, -0.4, -0.3, teacher_logprobs[number].item() + 1.2])
+    assert values[digits].sum().item() == pytest.approx(unresolved[digits[-1]].item())
+    others = [k for k in range(len(student_ids)) if k not in digits and signal[k] == TeacherSignal.EXACT]
+    assert others and values[others].tolist() == pytest.approx(unresolved[others].tolist())
+    assert values.sum().item() == pytest.approx(teacher_logprobs.sum().item())
+    with pytest.raises(
+        ValueError, match=f"inner_logmass has 2 entries, but {len(prefixes)} student tokens end inside"
+    ):
+        resolved_logprobs(resolved, teacher_logprobs, inner[:2])
 
 
 def test_special_tokens_align_by_role(whole, split):

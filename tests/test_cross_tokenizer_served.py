@@ -12,6 +12,7 @@ from vllm_test_server import TestTeacherServer
 
 from trl_statelens import OnPolicyDistillConfig, OnPolicyDistillTrainer
 from trl_statelens.teachers import CrossTokenizerTeacher, ServedCrossTokenizerTeacher
+from trl_statelens.teachers.alignment import TeacherSignal, chunk_totals
 from trl_statelens.teachers.decisions import Decision
 from trl_statelens.teachers.served_cross_tokenizer import ENDS_TOP_K
 
@@ -47,21 +48,30 @@ def served_at(trainer, server, k) -> ServedCrossTokenizerTeacher:
 
 
 def carried(teacher, prompts, completions):
+    """The rows' carried values, decisions and signals, each concatenated over the rows (a row ends a chunk)."""
     rows = [row.scores.result()[row.index] for row in teacher.score(prompts, completions)]
-    return torch.cat([row.logps for row in rows]), torch.cat([row.decision for row in rows])
+    return tuple(torch.cat([getattr(row, name) for row in rows]) for name in ("logps", "decision", "signal"))
 
 
 def test_served_ends_with_every_longer_token_in_the_top_k_are_the_in_process_ones(lab_pair):
     """At k = the teacher's vocabulary every longer token is among the top-k: the carried values and their decisions
-    are the in-process teacher's. At k=0 nothing moves: they differ where the in-process teacher moved an end."""
+    are the in-process teacher's on every token outside a chunk, and each chunk's value is the sum of the in-process
+    teacher's over its tokens (which it resolves token by token, the served one not). At k=0 nothing moves: they
+    differ where the in-process teacher moved an end."""
     trainer, prompts, completions, server = lab_pair
     in_process = trainer.teacher
-    reference, reference_decisions = carried(in_process, prompts, completions)
-    whole, whole_decisions = carried(served_at(trainer, server, len(in_process.teacher_vocab)), prompts, completions)
-    torch.testing.assert_close(whole, reference, atol=1e-5, rtol=0)
-    assert torch.equal(whole_decisions, reference_decisions)
-    unmoved, unmoved_decisions = carried(served_at(trainer, server, 0), prompts, completions)
-    moved = (unmoved - reference).abs() > 1e-3
+    reference, reference_decisions, reference_signal = carried(in_process, prompts, completions)
+    whole, whole_decisions, signal = carried(
+        served_at(trainer, server, len(in_process.teacher_vocab)), prompts, completions
+    )
+    outside = signal == TeacherSignal.EXACT
+    assert (reference_signal[~outside] == TeacherSignal.RESOLVED).all() and (~outside).any()
+    torch.testing.assert_close(whole[outside], reference[outside], atol=1e-5, rtol=0)
+    assert torch.equal(whole_decisions[outside], reference_decisions[outside])
+    ends = signal == TeacherSignal.CHUNK_END
+    torch.testing.assert_close(whole[ends], chunk_totals(reference, signal)[ends], atol=1e-4, rtol=0)
+    unmoved, unmoved_decisions, _ = carried(served_at(trainer, server, 0), prompts, completions)
+    moved = ((unmoved - reference).abs() > 1e-3) & outside
     assert moved.any()
     # a value whose end the in-process teacher moved is the decision's there, and a bound served without it
     assert (unmoved_decisions[moved] != Decision.EXACT).any() and (reference_decisions[moved] == Decision.EXACT).any()
@@ -73,7 +83,10 @@ def test_served_ends_terms_are_lower_bounds_of_the_in_process_ones(lab_pair):
     trainer, prompts, completions, server = lab_pair
     in_process = trainer.teacher
     respelled = [in_process.respell(c) for c in completions]
-    _, reference = in_process._scores_and_end_logmass(prompts, respelled)
+    reference = [
+        in_process._token_logps_and_end_logmass(logps.cpu(), respelled[i])[1]
+        for i, logps in in_process._completion_log_probs(prompts, respelled, trainer.temperature)
+    ]
     served = served_at(trainer, server, 20)
     sequences, lengths = [p + c for p, c in zip(prompts, respelled)], [len(p) for p in prompts]
     answers = served._scores(sequences, lengths, served.top_k)

@@ -20,7 +20,10 @@ import torch
 from trl_statelens.teachers.alignment import (
     TeacherSignal,
     align_token_ids,
+    chunks_resolved,
+    inner_prefixes,
     move_teacher_ends,
+    resolved_logprobs,
     student_token_teacher_logprobs,
     student_tokens_the_teacher_extends,
 )
@@ -96,6 +99,19 @@ class ToyTeacher:
             )
         return torch.tensor(logps, dtype=torch.float64), torch.tensor(ends, dtype=torch.float64)
 
+    def prefix_logmass(self, teacher_ids, prefixes):
+        """Per (teacher index, bytes) of `inner_prefixes`: the log-prob at that position of a token starting with the
+        bytes."""
+        return torch.tensor(
+            [
+                math.log(
+                    sum(p for u, p in self.next(tuple(teacher_ids[:j])).items() if self.tokens[u].startswith(part))
+                )
+                for j, part in prefixes
+            ],
+            dtype=torch.float64,
+        )
+
 
 def reference(teacher: ToyTeacher, text: bytes, student_ids, student_tokens, chosen_end) -> list[float | None]:
     """`D` per student token: P(text up to its end, chosen cuts up to there) / P(text up to its start, chosen cuts up
@@ -116,12 +132,19 @@ def reference(teacher: ToyTeacher, text: bytes, student_ids, student_tokens, cho
     return out
 
 
-def carried_values(teacher, teacher_tokens, student_tokens, student_ids, text, moved: bool):
+def carried_values(teacher, teacher_tokens, student_tokens, student_ids, text, moved: bool, resolved: bool = False):
+    """As a teacher of another tokenizer carries its values: ends `moved` (in the process; a function of the two
+    vocabularies: onto the ids it marks) or not (served), chunks `resolved` from the prefix masses (in the process)."""
     student, teacher_vocab = vocabulary("student", student_tokens), vocabulary("teacher", teacher_tokens)
     teacher_ids = longest_match(text, teacher_tokens)
     alignment = align_token_ids(student_ids, teacher_ids, student, teacher_vocab)
     logps, ends = teacher.carried(teacher_ids)
-    values, _ = student_token_teacher_logprobs(alignment, logps)
+    if resolved:
+        inner = teacher.prefix_logmass(teacher_ids, inner_prefixes(alignment, teacher_ids, teacher_vocab))
+        alignment = chunks_resolved(alignment)
+        values = resolved_logprobs(alignment, logps, inner)
+    else:
+        values, _ = student_token_teacher_logprobs(alignment, logps)
     table = decision_table(student, teacher_vocab)
     movable = None
     if moved:  # as an in-process teacher moves them: onto every token whose end the student does not choose
@@ -154,8 +177,12 @@ DIGITS_STUDENT = [b"1", b"2", b"3", b"+", b" ", b" +", b"3 "]
 # a teacher token from an earlier cut that runs past later ones (`abcd` over `ab`, `c`; `abcdy` over `ab`, `c`, `d`)
 CROSSING_TEACHER = [b"a", b"b", b"c", b"x", b"ab", b"abcd", b"cx"]
 CROSSING_STUDENT = [b"a", b"b", b"c", b"x", b"ab", b"bc"]
+# a chunk whose inner part is no teacher token (`ab` inside the teacher's `abc`): the teacher may also write `a`, `b`
+INNER_TEACHER = [b"a", b"b", b"c", b"abc", b"ca"]
+INNER_STUDENT = [b"a", b"b", b"c", b"ab", b"bca"]
 CASES = [
     (DIGITS_TEACHER, DIGITS_STUDENT, [b"12+3 1", b"123 +23", b"1 2+ 13", b"3+12 2"]),
+    (INNER_TEACHER, INNER_STUDENT, [b"abcab", b"cabca", b"abcabc"]),
     (CROSSING_TEACHER, CROSSING_STUDENT, [b"abcab", b"xabcabx", b"abcxab"]),
     (CROSSING_TEACHER[:5] + [b"d", b"y", b"abcdy"], CROSSING_STUDENT + [b"d", b"y"], [b"abcdx", b"xabcdab"]),
 ] + [
@@ -165,8 +192,9 @@ CASES = [
 
 
 def checked_positions():
-    """(teacher tokens, student tokens, student ids, text, moved) over the cases: each text in 3 student spellings
-    (the student's own longest match among them), ends moved or not."""
+    """(teacher tokens, student tokens, student ids, text, moved, resolved) over the cases: each text in 3 student
+    spellings (the student's own longest match among them), as the in-process teacher carries values (ends moved,
+    chunks resolved), with ends moved alone, and as a served teacher (neither)."""
     for case, (teacher_tokens, student_tokens, texts) in enumerate(CASES):
         for n, text in enumerate(texts):
             rng = random.Random(case * 100 + n)
@@ -174,8 +202,8 @@ def checked_positions():
                 random_segmentation(text, student_tokens, rng) for _ in range(2)
             ]
             for student_ids in spellings:
-                for moved in (True, False):
-                    yield teacher_tokens, student_tokens, student_ids, text, moved
+                for moved, resolved in ((True, True), (True, False), (False, False)):
+                    yield teacher_tokens, student_tokens, student_ids, text, moved, resolved
 
 
 def test_every_exact_decision_is_the_brute_force_probability_and_every_bound_differs_somewhere():
@@ -183,11 +211,13 @@ def test_every_exact_decision_is_the_brute_force_probability_and_every_bound_dif
     the process) or not (served): every value called `EXACT` is `D` within 1e-6 for three teachers; every value of a
     token's own bytes called `BOUND` differs from `D` for one of them (the classifier is not merely cautious)."""
     counts = {kind: 0 for kind in Decision}
-    for teacher_tokens, student_tokens, student_ids, text, moved in checked_positions():
+    for teacher_tokens, student_tokens, student_ids, text, moved, resolved in checked_positions():
         teachers = [ToyTeacher(teacher_tokens, seed) for seed in range(3)]
         differs = None
         for teacher in teachers:
-            _, values, kinds, table = carried_values(teacher, teacher_tokens, student_tokens, student_ids, text, moved)
+            _, values, kinds, table = carried_values(
+                teacher, teacher_tokens, student_tokens, student_ids, text, moved, resolved
+            )
             truth = reference(teacher, text, student_ids, student_tokens, table.chosen_end)
             gaps = [None if d is None or d == 0 else abs(v - math.log(d)) for v, d in zip(values.tolist(), truth)]
             for k, kind in enumerate(kinds.tolist()):

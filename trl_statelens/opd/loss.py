@@ -306,7 +306,8 @@ class LossMixin:
         among supervised tokens that spell a digit (`numbers`: per token, whether it does), where two tokenizers most
         often split differently; `alignment/per_decision_exact`, the share of supervised tokens whose teacher value is
         the teacher's probability of the student's decision given the text so far (`decision`: per token, a
-        `teachers.decisions.Decision`; a chunk's share never is, an exact value sometimes not). With `divergence` from such a teacher (`leftover`, NaN where no distribution was
+        `teachers.decisions.Decision`; a chunk's share never is, an exact value or a token of a chunk the in-process
+        teacher resolved from its prefix masses sometimes not). With `divergence` from such a teacher (`leftover`, NaN where no distribution was
         carried over), `alignment/mapped`: the share of supervised positions that were compared with a distribution
         of the teacher (the rest are left out of the loss), and `alignment/leftover`: the mean teacher mass that
         reached no student token there. One all-reduce for all of them."""

@@ -10,6 +10,11 @@ special token (which spells none) as one unit; a place where both cut is a share
   smallest run of student tokens that starts and ends on shared boundaries: the teacher's log-prob of the run's bytes
   (the sum over its teacher tokens) goes to the run's last token (`CHUNK_END`), and the others get 0
   (`CHUNK_INSIDE`), so that a loss summing the student's log-probs over a chunk compares like with like.
+- A chunk resolved token by token ([`resolved_logprobs`], for a teacher whose whole next-token distribution is at
+  hand): inside a teacher token, the teacher's log-prob of the text so far is that of its tokens before it plus the
+  log of its byte-prefix mass there (every token at that position whose bytes start with the part written so far),
+  and each student token of the chunk gets the difference across it (`RESOLVED`); over the chunk they sum to its
+  value.
 - The teacher's next-token distribution at a synchronised position (both tokenizations cut there) over the student's
   vocabulary ([`next_token_map`], [`map_next_token_distribution`]): each teacher token's mass goes to the student
   token that spells its bytes, or the longest one they start with, and mass that reaches no student token is reported
@@ -20,6 +25,7 @@ special token (which spells none) as one unit; a place where both cut is a share
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import IntEnum
@@ -36,6 +42,9 @@ class TeacherSignal(IntEnum):
     EXACT = 0  # its own bytes, summed over the teacher tokens that spell exactly them
     CHUNK_END = 1  # the last token of a chunk: the teacher's log-prob of the whole chunk
     CHUNK_INSIDE = 2  # an earlier token of a chunk: 0, its part is on the chunk's last token
+    RESOLVED = (
+        3  # a token of a chunk given its own part, from the teacher's byte-prefix masses ([`resolved_logprobs`])
+    )
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,55 @@ def student_token_teacher_logprobs(
     return values, signal
 
 
+def inner_prefixes(alignment: TokenAlignment, teacher_ids, teacher_vocab: ByteVocabulary) -> list[tuple[int, bytes]]:
+    """For each student token that ends inside a teacher token, in order: that teacher token's index and its bytes up
+    to the student token's end (what [`resolved_logprobs`] needs the byte-prefix mass of)."""
+    teacher_cuts = alignment.teacher_boundaries
+    ends = alignment.student_boundaries[1:]
+    inside = (~torch.isin(ends, teacher_cuts)).nonzero()[:, 0].tolist()
+    containing = (torch.searchsorted(teacher_cuts, ends[inside], right=True) - 1).tolist()
+    return [
+        (j, teacher_vocab.token_bytes[int(teacher_ids[j])][: int(ends[k] - teacher_cuts[j])])
+        for k, j in zip(inside, containing, strict=True)
+    ]
+
+
+def chunks_resolved(alignment: TokenAlignment) -> TokenAlignment:
+    """The alignment with every chunk's tokens `RESOLVED` (the values [`resolved_logprobs`] gives)."""
+    signal = alignment.signal.masked_fill(alignment.signal != TeacherSignal.EXACT, TeacherSignal.RESOLVED)
+    return dataclasses.replace(alignment, signal=signal)
+
+
+def resolved_logprobs(
+    alignment: TokenAlignment, teacher_logps: torch.Tensor, inner_logmass: torch.Tensor
+) -> torch.Tensor:
+    """The teacher's per-token log-probs `(n_teacher,)` carried onto the student's tokens `(n_student,)`, every token
+    of a chunk given its own part. `inner_logmass` `(n_inner,)`: for each of [`inner_prefixes`]' entries, the log of
+    the teacher's probability, at that teacher token's position, of a token whose bytes start with the prefix.
+
+    With `L(x)` the teacher's log-prob of the text up to offset `x` (at a teacher boundary, the sum of its tokens'
+    log-probs before it; inside a teacher token, that of the tokens before the token plus the log of the prefix mass
+    there), each student token gets `L(end) - L(start)`: an `EXACT` token the sum over the teacher tokens spelling it,
+    as [`student_token_teacher_logprobs`] gives it, and a chunk's tokens values summing to the chunk's log-prob."""
+    n_teacher = len(alignment.teacher_chunk)
+    if teacher_logps.shape != (n_teacher,):
+        raise ValueError(
+            f"teacher_logps has shape {tuple(teacher_logps.shape)}, but the alignment has {n_teacher} teacher tokens"
+        )
+    cut_sums = torch.cat([teacher_logps.new_zeros(1, dtype=torch.float64), teacher_logps.double().cumsum(0)])
+    teacher_cuts, boundaries = alignment.teacher_boundaries, alignment.student_boundaries
+    containing = torch.searchsorted(teacher_cuts, boundaries, right=True) - 1
+    levels = cut_sums[containing.clamp(max=n_teacher)]
+    inside = ~torch.isin(boundaries, teacher_cuts)
+    if int(inside.sum()) != len(inner_logmass):
+        raise ValueError(
+            f"inner_logmass has {len(inner_logmass)} entries, but {int(inside.sum())} student tokens end inside a "
+            "teacher token: pass one per entry of inner_prefixes(alignment, ...)"
+        )
+    levels[inside] += inner_logmass.double().cpu()
+    return (levels[1:] - levels[:-1]).to(teacher_logps.dtype)
+
+
 def move_teacher_ends(
     alignment: TokenAlignment,
     values: torch.Tensor,
@@ -187,7 +245,8 @@ def move_teacher_ends(
     movable: torch.Tensor,
     end_logmass: torch.Tensor,
 ) -> torch.Tensor:
-    """`values` from [`student_token_teacher_logprobs`] with the teacher's "its token ends here" moved to where the
+    """`values` from [`student_token_teacher_logprobs`] (or [`resolved_logprobs`], on an alignment with its chunks
+    resolved) with the teacher's "its token ends here" moved to where the
     student says it (docs/cross-tokenizer.md, "A defect found, and fixed"). `end_logmass` `(n_teacher,)`: per
     teacher token, the log-prob of the teacher writing, at that decision, any token whose bytes start with its bytes,
     less the log-prob of that token (0 where no longer token does). For each student token that carries a value and
@@ -205,8 +264,9 @@ def move_teacher_ends(
     values = values.clone()
     carriers = (alignment.signal != TeacherSignal.CHUNK_INSIDE).nonzero()[:, 0].tolist()
     ends = alignment.student_boundaries[1:]
+    on_teacher_cut = torch.isin(ends, alignment.teacher_boundaries)  # (a resolved chunk's inner tokens are not)
     for place, k in enumerate(carriers):
-        if not movable[int(student_ids[k])]:
+        if not movable[int(student_ids[k])] or not on_teacher_cut[k]:
             continue
         j = int(torch.searchsorted(alignment.teacher_boundaries, ends[k])) - 1  # the teacher token ending there
         term = end_logmass[j].to(values.dtype)

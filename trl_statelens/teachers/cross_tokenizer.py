@@ -35,6 +35,8 @@ from .alignment import (
     NextTokenMap,
     TokenAlignment,
     align_token_ids,
+    chunks_resolved,
+    inner_prefixes,
     map_next_token_distribution,
     next_token_map,
 )
@@ -205,29 +207,46 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
                 ]
             )
             return batch_rows(answered(readings), len(readings))
-        if self.moves_ends:
-            scores, end_logmass = self._scores_and_end_logmass(prompts, teacher_completions)
-        else:
-            scores, end_logmass = self._score_rows(prompts, teacher_completions), None
-        carried = self._carry(completions, teacher_completions, scores, end_logmass)
+        if not self.moves_ends:
+            scores = self._score_rows(prompts, teacher_completions)
+            return batch_rows(answered(self._carry(completions, teacher_completions, scores)), len(scores))
+        alignments = self._read_on_every_rank(
+            lambda: [
+                align_token_ids(ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+                for ids, teacher_ids in zip(completions, teacher_completions, strict=True)
+            ]
+        )
+        scores, end_logmass, inner_logmass = [], [], []
+        for i, logps in self._completion_log_probs(prompts, teacher_completions, self.trainer.temperature):
+            token_logps, moved, inner = self._carried_terms(logps.cpu(), teacher_completions[i], alignments[i])
+            scores.append(RowScores(token_logps))
+            end_logmass.append(moved)
+            inner_logmass.append(inner)
+        carried = self._carry(
+            completions, teacher_completions, scores, end_logmass, inner_logmass=inner_logmass, alignments=alignments
+        )
         return batch_rows(answered(carried), len(carried))
 
     def _reading(self, prompt, student_ids, teacher_ids) -> TextReading:
         alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+        if self.moves_ends:  # its chunks are resolved as `score` resolves them
+            alignment = chunks_resolved(alignment)
         decision = self._decisions(alignment, student_ids, teacher_ids, ends_moved=self.moves_ends)
         return TextReading(prompt, teacher_ids, alignment, decision)
 
-    def _scores_and_end_logmass(self, prompts, teacher_completions) -> tuple[list[RowScores], list[torch.Tensor]]:
-        """`_score_rows`' answers, and per row and teacher completion token the log-prob of the teacher writing any
-        token whose bytes start with that token's, less that token's own (0 where none longer does), from one forward
-        over the whole vocabulary at the run's temperature, in the same agreed chunks (`_completion_log_probs`). For a
-        pair of tokenizers that differ (`moves_ends`)."""
-        scores, rows = [], []
-        for i, logps in self._completion_log_probs(prompts, teacher_completions, self.trainer.temperature):
-            token_logps, moved = self._token_logps_and_end_logmass(logps.cpu(), teacher_completions[i])
-            scores.append(RowScores(token_logps))
-            rows.append(moved)
-        return scores, rows
+    def _carried_terms(self, logps, tokens, alignment: TokenAlignment):
+        """From one row's full log-probs `(n, V)` at the run's temperature (one forward over the whole vocabulary, in
+        the agreed chunks of `_completion_log_probs`), what `_carry` needs for a pair of tokenizers that differ
+        (`moves_ends`): each teacher token's log-prob and its ends term (`_token_logps_and_end_logmass`), and the
+        log-prob of a token starting with each of [`inner_prefixes`]' parts at its position: the chunk resolved token
+        by token."""
+        token_logps, moved = self._token_logps_and_end_logmass(logps, tokens)
+        inner = [
+            logps[j, ids[ids < logps.size(-1)].to(logps.device)].logsumexp(0)
+            for j, part in inner_prefixes(alignment, tokens, self.teacher_vocab)
+            for ids in (self.ids_starting_with(part),)
+        ]
+        return token_logps, moved, torch.stack(inner).cpu() if inner else torch.zeros(0)
 
     def _completion_log_probs(self, prompts, teacher_completions, temperature: float):
         """Yields `(i, log-probs (n_i, V))` for each row `i` of this rank: the teacher's next-token log-probs over its
@@ -308,8 +327,12 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         for i, logps in self._completion_log_probs(prompts, teacher_completions, temperature):
             alignment = readings[i].alignment
             student_ids = completion_ids[i, : len(alignment.signal)].tolist()
-            token_logps, moved = self._token_logps_and_end_logmass(logps, teacher_completions[i])
-            values, _ = self._carried_row(alignment, student_ids, token_logps, moved if self.moves_ends else None)
+            if self.moves_ends:
+                token_logps, moved, inner = self._carried_terms(logps, teacher_completions[i], alignment)
+                values, _ = self._carried_row(alignment, student_ids, token_logps, moved, inner)
+            else:
+                token_logps, _ = self._token_logps_and_end_logmass(logps, teacher_completions[i])
+                values, _ = self._carried_row(alignment, student_ids, token_logps)
             teacher_logps[i, : len(values)] = values.to(device)
             student_at, teacher_at = alignment.synchronised.T.to(device)
             supervised = loss_mask[i, student_at] != 0

@@ -12,9 +12,13 @@ those the teacher's tokenizer writes: a teacher writing the text's bytes otherwi
 `ab`) is given no mass, and a tokenizer is taken to spell a text's beginning as it spells the whole text's up to
 where their tokens part (a longest-match tokenizer does; BPE nearly does).
 
-[`decision_kinds`] says, per student token, which of the values [`alignment.student_token_teacher_logprobs`] (with
-[`alignment.move_teacher_ends`], where it ran) gives is `D` itself (`Decision.EXACT`), a value of the token's own
-bytes that is not `D` (`Decision.BOUND`) or a chunk's share (`Decision.CHUNK_SHARE`). The sums of values from the last
+[`decision_kinds`] says, per student token, which of the values [`alignment.student_token_teacher_logprobs`] or
+[`alignment.resolved_logprobs`] (with [`alignment.move_teacher_ends`], where it ran) gives is `D` itself
+(`Decision.EXACT`), a value of the token's own bytes that is not `D` (`Decision.BOUND`) or a chunk's share
+(`Decision.CHUNK_SHARE`). A token of a resolved chunk that ends inside teacher token `u` has the value of the
+teacher's log-prob of the text up to there, `u`'s prefix mass included, less that up to its start: at its end that
+is `D`'s where the part of `u` written is itself a teacher token (else the tokenizer may write a shorter token first,
+whose mass the prefix mass leaves out) and no teacher token from an earlier cut runs past it. The sums of values from the last
 place `a` where the teacher's state is settled (its own tokens of the text so far, nothing of it pending) up to each
 boundary equal the teacher's log-probability of the text from `a` to there exactly where no teacher token that starts
 at one of its cuts since `a` runs past that boundary while spelling the text up to it, unless the student ended its
@@ -41,7 +45,7 @@ class Decision(IntEnum):
     EXACT = 0  # the teacher's probability of the student's decision, given the text so far
     BOUND = 1  # the teacher's probability of the token's bytes along its own spelling: a lower bound of the decision's
     # where the text so far is settled, an upper one where only the token's end is
-    CHUNK_SHARE = 2  # a chunk's log-prob on its last token, 0 on the others
+    CHUNK_SHARE = 2  # a chunk's log-prob on its last token, 0 on the others (chunks not resolved: a served teacher)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class DecisionTable:
         """The student ids whose end the student does not choose (no other student token starts with their bytes):
         where [`alignment.move_teacher_ends`] moves the teacher's "goes on" mass onto a value, it is the decision's."""
         return ~self.chosen_end
+
+    def teacher_spells(self, spelled: bytes) -> bool:
+        """Whether a teacher token's bytes are `spelled`."""
+        at = bisect.bisect_left(self.teacher_sorted, spelled)
+        return at < len(self.teacher_sorted) and self.teacher_sorted[at] == spelled
 
     def teacher_goes_on(self, spelled: bytes) -> bool:
         """Whether a teacher token's bytes start with `spelled` and are longer."""
@@ -105,7 +114,20 @@ def decision_kinds(
     for k, student_id in enumerate(int(i) for i in student_ids):
         j = teacher_cut.get(student_ends[k])
         chosen = bool(table.chosen_end[student_id])
-        if j is None:  # inside a teacher token (a cut the student chose here is not in `D`'s condition)
+        if j is None and signal[k] == TeacherSignal.RESOLVED:
+            # inside teacher token `inner` (a cut the student chose here is not in `D`'s event or condition): the
+            # prefix mass there is the teacher's probability of the text so far where the part written is itself a
+            # teacher token (the tokenizer then writes no shorter token first) and no teacher token from an earlier
+            # cut since the settled one spells the text up to here and runs past it
+            inner = bisect.bisect_right(teacher_offsets, student_ends[k]) - 1
+            part = pieces[inner][: student_ends[k] - teacher_offsets[inner]]
+            earliest = bisect.bisect_right(teacher_offsets, student_ends[k] - table.teacher_longest, settled_at)
+            crossing = any(
+                None not in pieces[i:inner] and table.teacher_goes_on(b"".join(pieces[i:inner]) + part)
+                for i in range(earliest, inner)
+            )
+            resolved, settled = table.teacher_spells(part) and not crossing, False
+        elif j is None:  # inside a teacher token, its chunk's share on the chunk's last token
             resolved = settled = False
         elif chosen:  # the teacher's token ends here too, and D's event says so: nothing runs past
             resolved = settled = True
@@ -122,7 +144,7 @@ def decision_kinds(
             whole = whole_terms is None or bool(whole_terms[j - 1])
             covered = not last_goes_on or (moved is not None and bool(moved[student_id]) and whole)
             resolved, settled = not crossing and covered, not crossing and not last_goes_on
-        if signal[k] == TeacherSignal.EXACT:
+        if signal[k] in (TeacherSignal.EXACT, TeacherSignal.RESOLVED):
             kinds[k] = Decision.EXACT if start_resolved and resolved else Decision.BOUND
         start_resolved = resolved
         if settled:

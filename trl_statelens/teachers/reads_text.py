@@ -1,7 +1,8 @@
 """What a teacher of another tokenizer does on the trainer's side, in the process or behind a server (issue 45):
 [`ReadsText`] reads each row as text in the teacher's tokens (its prompt through the teacher's own chat template, the
 student's completion spelled out in bytes and tokenized again, special tokens carried over by role), carries the
-teacher's log-probs back onto the student's tokens ([`alignment.student_token_teacher_logprobs`], its "ends here"
+teacher's log-probs back onto the student's tokens ([`alignment.student_token_teacher_logprobs`], or token by token
+from its byte-prefix masses where its whole distribution is at hand, [`alignment.resolved_logprobs`]; its "ends here"
 moved by [`alignment.move_teacher_ends`]) and gives what the teacher writes back in the student's tokens. The
 teachers that mix it in are in `cross_tokenizer.py`.
 """
@@ -18,7 +19,9 @@ from .. import collective
 from .alignment import (
     TokenAlignment,
     align_token_ids,
+    chunks_resolved,
     move_teacher_ends,
+    resolved_logprobs,
     student_token_teacher_logprobs,
 )
 from .base import RowScores, joined
@@ -167,8 +170,8 @@ class ReadsText:
         # with one tokenizer on both sides that mass is always 0, and it is not computed
         self.moves_ends = self.student_vocab.token_bytes != self.teacher_vocab.token_bytes
         self._teacher_sorted = None  # the teacher's spellings in order, with their ids: sorted on first use (the ends
-        # terms, `extensions`)
-        self._extensions = {}  # teacher id -> ids of the teacher tokens whose bytes start with its bytes, itself included
+        # terms and prefix masses, `ids_starting_with`)
+        self._starting_with = {}  # bytes -> ids of the teacher tokens whose bytes start with them
         # per student token, whether it spells a digit: the lens's `alignment/exact/numbers` counts these apart
         self.number_tokens = torch.tensor(
             [
@@ -199,21 +202,20 @@ class ReadsText:
 
     def extensions(self, token_id: int) -> torch.Tensor:
         """The teacher tokens whose bytes start with `token_id`'s (itself included; itself only for a special token)."""
-        if token_id not in self._extensions:
-            spelled = self.teacher_vocab.token_bytes[token_id]
-            ids = [token_id]
-            if spelled:
-                if self._teacher_sorted is None:
-                    order = sorted((s, i) for i, s in enumerate(self.teacher_vocab.token_bytes) if s)
-                    self._teacher_sorted = ([s for s, _ in order], [i for _, i in order])
-                spellings, sorted_ids = self._teacher_sorted
-                start = bisect.bisect_left(spellings, spelled)
-                ids, end = [], start
-                while end < len(spellings) and spellings[end].startswith(spelled):
-                    ids.append(sorted_ids[end])
-                    end += 1
-            self._extensions[token_id] = torch.tensor(ids)
-        return self._extensions[token_id]
+        spelled = self.teacher_vocab.token_bytes[token_id]
+        return self.ids_starting_with(spelled) if spelled else torch.tensor([token_id])
+
+    def ids_starting_with(self, spelled: bytes) -> torch.Tensor:
+        """The teacher tokens whose bytes start with `spelled` (a contiguous run of its spellings in byte order)."""
+        if spelled not in self._starting_with:
+            if self._teacher_sorted is None:
+                order = sorted((s, i) for i, s in enumerate(self.teacher_vocab.token_bytes) if s)
+                self._teacher_sorted = ([s for s, _ in order], [i for _, i in order])
+            spellings, sorted_ids = self._teacher_sorted
+            start = bisect.bisect_left(spellings, spelled)
+            end = bisect.bisect_right(spellings, spelled, lo=start, key=lambda s: s[: len(spelled)])
+            self._starting_with[spelled] = torch.tensor(sorted_ids[start:end], dtype=torch.long)
+        return self._starting_with[spelled]
 
     def _refuse_unmapped_ends(self, eos_token_ids) -> None:
         refuse_unmapped_ends(
@@ -314,20 +316,36 @@ class ReadsText:
         return joined(prompts, None if prefixes is None else [self.respell(prefix) for prefix in prefixes])
 
     def _carry(
-        self, completions, teacher_completions, scores: list[RowScores], end_logmass=None, whole_terms=None
+        self,
+        completions,
+        teacher_completions,
+        scores: list[RowScores],
+        end_logmass=None,
+        whole_terms=None,
+        inner_logmass=None,
+        alignments=None,
     ) -> list[RowScores]:
         """The teacher's log-probs of its own tokens (`scores`, one row per completion) on the student's tokens, with
         each token's `signal`; with `end_logmass` (one `(n_teacher,)` row per completion), each teacher token's "ends
         here" moved where the student says it ([`move_teacher_ends`]). `whole_terms` (rows alike, `None`: all whole):
         per teacher token, whether its term holds every longer token (a served teacher's holds those among its
-        top-k only); a value moved with a partial term is not the decision's."""
+        top-k only); a value moved with a partial term is not the decision's. `inner_logmass` (rows alike, `None`:
+        chunks are not resolved): the prefix masses of each row's [`alignment.inner_prefixes`], its chunks resolved
+        token by token. `alignments`: the rows' alignments where they were made already."""
         carried = []
         for i, (student_ids, teacher_ids, row) in enumerate(
             zip(completions, teacher_completions, scores, strict=True)
         ):
-            alignment = align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+            alignment = (
+                alignments[i]
+                if alignments is not None
+                else align_token_ids(student_ids, teacher_ids, self.student_vocab, self.teacher_vocab)
+            )
             moved = None if end_logmass is None else end_logmass[i]
-            values, signal = self._carried_row(alignment, student_ids, row.logps, moved)
+            inner = None if inner_logmass is None else inner_logmass[i]
+            if inner is not None:
+                alignment = chunks_resolved(alignment)
+            values, signal = self._carried_row(alignment, student_ids, row.logps, moved, inner)
             whole = None if whole_terms is None else whole_terms[i]
             decision = self._decisions(alignment, student_ids, teacher_ids, moved is not None, whole)
             carried.append(RowScores(values, signal=signal, decision=decision))
@@ -342,9 +360,15 @@ class ReadsText:
         moved = self.decision_table.free_ends if ends_moved else None
         return decision_kinds(alignment, student_ids, teacher_ids, self.decision_table, moved, whole_terms)
 
-    def _carried_row(self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None):
-        """One row of `_carry`, its alignment made: `(values, signal)` on the student's tokens."""
-        values, signal = student_token_teacher_logprobs(alignment, teacher_logps.float().cpu())
+    def _carried_row(
+        self, alignment: TokenAlignment, student_ids, teacher_logps, end_logmass=None, inner_logmass=None
+    ):
+        """One row of `_carry`, its alignment made (its chunks resolved where `inner_logmass` is given): `(values,
+        signal)` on the student's tokens."""
+        if inner_logmass is None:
+            values, signal = student_token_teacher_logprobs(alignment, teacher_logps.float().cpu())
+        else:
+            values, signal = resolved_logprobs(alignment, teacher_logps.float().cpu(), inner_logmass), alignment.signal
         if end_logmass is not None:
             values = move_teacher_ends(alignment, values, student_ids, self.decision_table.free_ends, end_logmass)
         return values, signal
