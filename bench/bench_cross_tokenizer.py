@@ -15,9 +15,9 @@ tokenizer path only: the teacher's own prompt and completion tokens (its forward
 the alignment.
 
 The alignment's own cost is timed apart, in the cross arm's child: the seconds per step in
-`CrossTokenizerTeacher.respell` (the completion spelled in the teacher's tokens), `align_token_ids` and
-`student_token_teacher_logprobs` (each row's teacher log-probs carried onto the student's tokens), and their share of
-the step. The other parts of the step are timed the same way in both arms: the student's generation, the teacher's
+`CrossTokenizerTeacher.respell` (the completion spelled in the teacher's tokens), `align_token_ids` and the carry
+(`inner_prefixes` and `resolved_logprobs`, each row's teacher log-probs carried onto the student's tokens with its
+chunks resolved; `student_token_teacher_logprobs` where they are not), and their share of the step. The other parts of the step are timed the same way in both arms: the student's generation, the teacher's
 prompts (`teacher.prompts`) and scoring (`teacher.score`, which holds the alignment), the loss (`compute_loss`, the
 student's forward) and the backward.
 
@@ -91,7 +91,15 @@ COMPLETION_TOKENS, QUICK_COMPLETION_TOKENS = 32, 8
 REAL_ROLLOUTS, REAL_COMPLETION_TOKENS, REAL_PROMPTS = 8, 64, 64
 WARMUP_STEPS = 1
 ARMS = ("same", "cross")
-ALIGNMENT_PARTS = ("respell", "align_token_ids", "student_token_teacher_logprobs")
+# the carry: `student_token_teacher_logprobs` where chunks are shared, `inner_prefixes` and `resolved_logprobs` where an
+# in-process teacher resolves them (its prefix masses are gathered inside `teacher_score`)
+ALIGNMENT_PARTS = (
+    "respell",
+    "align_token_ids",
+    "student_token_teacher_logprobs",
+    "inner_prefixes",
+    "resolved_logprobs",
+)
 STEP_PARTS = ("generate", "teacher_prompts", "teacher_score", *ALIGNMENT_PARTS, "compute_loss", "backward")
 CORRESPONDING_PARTS = ("teacher_prompts", "teacher_score", "compute_loss", "backward")  # what GOLD's work stands for
 GOLD_PARTS = ("inputs", "teacher_forward", "student_forward", "loss", "backward")

@@ -60,3 +60,26 @@ def test_number_signal_sums_each_numbers_log_ratio_over_its_digits(tmp_path):
     counted = number_signal(tmp_path, 1, 2)
     assert counted["several_digits"] == {"numbers": 1, "mean_log_ratio": pytest.approx(1.0)}  # 13: -0.5 - (-1.5)
     assert counted["one_digit"] == {"numbers": 2, "mean_log_ratio": pytest.approx(-1.0)}  # 5: -1.0; 7: -1.0
+
+
+def test_amendment_4s_committed_items_recompute_its_comparisons():
+    """docs/study/cross-tokenizer-lab/0707/: the paired comparisons in its summary (and STUDY.md) recompute from the
+    committed per-item scores alone, intervals included."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from cross_tokenizer_lab import COMPARISONS
+    from study_lab import SCORES, compare_runs
+
+    records = SCRIPT.parents[2] / "docs" / "study" / "cross-tokenizer-lab" / "0707"
+    packed = json.loads((records / "items.json").read_text())
+
+    def scores_of(name, seed):
+        entry = packed["base"] if name == "base" else packed["runs"][name][str(seed)]
+        return {task: dict(zip(packed["questions"][task], entry["items"][task])) for task in SCORES}
+
+    recomputed = compare_runs(scores_of, packed["seeds"], COMPARISONS)
+    committed = json.loads((records / "summary.json").read_text())["comparisons"]
+    assert len(recomputed) == len(committed) == 15
+    for ours, theirs in zip(recomputed, committed, strict=True):
+        assert (ours["run"], ours["reference"], ours["task"]) == (theirs["run"], theirs["reference"], theirs["task"])
+        assert ours["per_seed"] == pytest.approx(theirs["per_seed"], abs=1e-12)
+        assert ours["ci95"] == pytest.approx(theirs["ci95"], abs=1e-12)
