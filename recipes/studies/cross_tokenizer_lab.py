@@ -14,7 +14,9 @@ teacher's, 100 more steps on fresh problems, 600 steps at most. Cached in `--out
 Then per seed each arm: `recipes/opd.py` with the lab config (`opd.yaml`: 75 steps of 32 rollouts, lr 3e-4) and
 `--signal reverse_kl` (the signal a teacher of another tokenizer supports). A third arm, added after the first
 results (STUDY.md, amendment): `independent`, a teacher of the student's tokenizer pretrained from another seed and
-fine-tuned the same way, as far from the student as the other tokenizer's teacher but reading its ids. `summary.json`
+fine-tuned the same way, as far from the student as the other tokenizer's teacher but reading its ids. Amendment 5
+runs the three arms from each seed's own start (`--start`, the lab study's mild SFT) at another signal and budget
+(`--signal`, `--learning_rate`, `--max_steps`), and compares each arm with its start too. `summary.json`
 and `summary.md` in `--out`: scores over seeds, paired comparisons with 95% bootstrap intervals over test problems
 (study_lab.py's), the teachers' own scores, the cross arm's `alignment/exact` (all tokens and digits) and
 `alignment/per_decision_exact`, and `teacher_kl/sampled` at the first and last steps.
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from study_lab import SCORES, SMOKE_FLAGS, compare_runs, comparison_table, folder_item_scores, run
+from study_lab import SCORES, SMOKE_FLAGS, compare_runs, comparison_table, folder_item_scores, run, run_item_scores
 
 RECIPES = Path(__file__).resolve().parents[1]
 CONFIG = RECIPES / "configs" / "lab" / "opd.yaml"
@@ -46,7 +48,13 @@ TEACHER_STEPS, MORE_STEPS, MAX_TEACHER_STEPS = 300, 100, 600  # `build_teacher`'
 MATCH_BY = 0.05
 EDGE_STEPS = 5  # teacher_kl "first" and "last": the mean over this many steps at each end
 RUN_COLUMNS = ("teacher_kl_first", "teacher_kl_last", "alignment_exact", "alignment_exact_numbers",
-               "alignment_per_decision_exact")  # fmt: skip
+               "alignment_per_decision_exact", "alignment_mapped")  # fmt: skip
+# With each seed's own start (`--start`, amendment 5): each arm against it
+FROM_START = [
+    ("same-tokenizer teacher's student vs its start", "same", "start"),
+    ("other-tokenizer teacher's student vs its start", "cross", "start"),
+    ("independently pretrained teacher's student vs its start", "independent", "start"),
+]
 
 
 def build_teacher_from_scratch(out: Path, tokenizer, seed: int, same_teacher: str, smoke: bool) -> dict:
@@ -112,7 +120,7 @@ def teacher_kl_ends(run_dir: Path) -> dict:
     history = [e for e in json.loads((run_dir / "log_history.json").read_text()) if "teacher_kl/sampled" in e]
     kl = [e["teacher_kl/sampled"] for e in history]
     shares = {}
-    for key in ("alignment/exact", "alignment/exact/numbers", "alignment/per_decision_exact"):
+    for key in ("alignment/exact", "alignment/exact/numbers", "alignment/per_decision_exact", "alignment/mapped"):
         logged = [e[key] for e in history if key in e]
         shares[key.replace("/", "_")] = float(np.mean(logged)) if logged else None
     return {"teacher_kl_first": float(np.mean(kl[:EDGE_STEPS])), "teacher_kl_last": float(np.mean(kl[-EDGE_STEPS:])),
@@ -155,6 +163,11 @@ def main():
     parser.add_argument("--same_teacher", default="lab-teacher", help="the teacher of the student's tokenizer")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, one torch thread each")
     parser.add_argument("--smoke", action="store_true", help="tiny other teacher, 2 steps per run (the CI test)")
+    parser.add_argument("--start", help="each seed's start, with {seed} in it (runs/study-lab/seed{seed}/mild_sft), "
+                        "instead of --model_name_or_path; the comparisons add each arm against its start")  # fmt: skip
+    parser.add_argument("--signal", default="reverse_kl", choices=["reverse_kl", "divergence"])
+    parser.add_argument("--learning_rate", help="the OPD learning rate (default: the lab config's)")
+    parser.add_argument("--max_steps", help="the OPD steps (default: the lab config's)")
     args = parser.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +177,8 @@ def main():
                 "independent": str(out / "independent" / "teacher")}  # fmt: skip
     eval_flags = SMOKE_FLAGS["eval"] if args.smoke else []
     smoke = [*SMOKE_FLAGS["opd"], *eval_flags] if args.smoke else []
+    settings = [flag for name in ("learning_rate", "max_steps") if getattr(args, name)
+                for flag in (f"--{name}", getattr(args, name))]  # fmt: skip
 
     commands = []  # (command, folder): the evaluations of the base and both teachers, then every arm of every seed
     for name, model in (("base", args.model_name_or_path), *((f"teacher_{a}", t) for a, t in teachers.items())):
@@ -172,10 +187,11 @@ def main():
     for seed in args.seeds:
         for arm in ARMS:
             folder = out / f"seed{seed}" / arm
+            start = args.start.format(seed=seed) if args.start else args.model_name_or_path
             commands.append(([sys.executable, str(RECIPES / "opd.py"), "--config", str(CONFIG), "--seed", str(seed),
-                              "--output_dir", str(folder), "--eval_before", "false", "--signal", "reverse_kl",
-                              "--model_name_or_path", args.model_name_or_path,
-                              "--teacher_model_name_or_path", teachers[arm], *smoke], folder))  # fmt: skip
+                              "--output_dir", str(folder), "--eval_before", "false", "--signal", args.signal,
+                              "--model_name_or_path", start, "--teacher_model_name_or_path", teachers[arm],
+                              *settings, *smoke], folder))  # fmt: skip
     todo = [(command, folder) for command, folder in commands if not (folder / "results.json").exists()]
     for _, folder in todo:
         folder.mkdir(parents=True, exist_ok=True)
@@ -198,7 +214,14 @@ def main():
             "numbers_first_10_steps": [number_signal(run, 1, 10) for run in runs],
             "numbers_last_10_steps": [number_signal(run, n - 9, n) for run, n in zip(runs, steps)],
         }
-    summary["comparisons"] = compare_runs(folder_item_scores(out), args.seeds, COMPARISONS)
+    in_folder = folder_item_scores(out)
+
+    def scores_of(name, seed):
+        return run_item_scores(Path(args.start.format(seed=seed))) if name == "start" else in_folder(name, seed)
+
+    comparisons = COMPARISONS + (FROM_START if args.start else [])
+    summary["start"], summary["settings"] = args.start, {"signal": args.signal, "opd": settings}
+    summary["comparisons"] = compare_runs(scores_of, args.seeds, comparisons)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     text = summary_table(summary) + "\n" + comparison_table(summary["comparisons"], args.seeds)
     (out / "summary.md").write_text(text)
@@ -215,8 +238,8 @@ def summary_table(summary: dict) -> str:
     lines += [
         "",
         "| arm | train seconds | teacher_kl first | teacher_kl last | alignment/exact | alignment/exact/numbers | "
-        "alignment/per_decision_exact |",
-        "|---|---|---|---|---|---|---|",
+        "alignment/per_decision_exact | alignment/mapped |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arm, run_ in summary["runs"].items():
         cells = [", ".join("-" if v is None else f"{v:.3f}" for v in run_[k])
