@@ -62,23 +62,26 @@ def test_number_signal_sums_each_numbers_log_ratio_over_its_digits(tmp_path):
     assert counted["one_digit"] == {"numbers": 2, "mean_log_ratio": pytest.approx(-1.0)}  # 5: -1.0; 7: -1.0
 
 
-def test_amendment_4s_committed_items_recompute_its_comparisons():
-    """docs/study/cross-tokenizer-lab/0707/: the paired comparisons in its summary (and STUDY.md) recompute from the
-    committed per-item scores alone, intervals included."""
+@pytest.mark.parametrize("amendment", ["0707", "div"])
+def test_the_amendments_committed_items_recompute_their_comparisons(amendment):
+    """docs/study/cross-tokenizer-lab/0707/ (amendment 4) and div/ (amendment 5): the paired comparisons in each
+    summary (and STUDY.md) recompute from the committed per-item scores alone, intervals included; amendment 5's
+    comparisons with each seed's start read the start's items, packed under "start"."""
     sys.path.insert(0, str(SCRIPT.parent))
-    from cross_tokenizer_lab import COMPARISONS
+    from cross_tokenizer_lab import COMPARISONS, FROM_START
     from study_lab import SCORES, compare_runs
 
-    records = SCRIPT.parents[2] / "docs" / "study" / "cross-tokenizer-lab" / "0707"
+    records = SCRIPT.parents[2] / "docs" / "study" / "cross-tokenizer-lab" / amendment
     packed = json.loads((records / "items.json").read_text())
 
     def scores_of(name, seed):
         entry = packed["base"] if name == "base" else packed["runs"][name][str(seed)]
         return {task: dict(zip(packed["questions"][task], entry["items"][task])) for task in SCORES}
 
-    recomputed = compare_runs(scores_of, packed["seeds"], COMPARISONS)
+    comparisons = COMPARISONS + (FROM_START if amendment == "div" else [])
+    recomputed = compare_runs(scores_of, packed["seeds"], comparisons)
     committed = json.loads((records / "summary.json").read_text())["comparisons"]
-    assert len(recomputed) == len(committed) == 15
+    assert len(recomputed) == len(committed) == 3 * len(comparisons)
     for ours, theirs in zip(recomputed, committed, strict=True):
         assert (ours["run"], ours["reference"], ours["task"]) == (theirs["run"], theirs["reference"], theirs["task"])
         assert ours["per_seed"] == pytest.approx(theirs["per_seed"], abs=1e-12)
