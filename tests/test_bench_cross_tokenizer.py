@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
-ALIGNMENT_PARTS = ("respell", "align_token_ids", "student_token_teacher_logprobs")
+# the carry: chunk shares (`student_token_teacher_logprobs`) or, in the process, chunks resolved
+ALIGNMENT_PARTS = (
+    "respell",
+    "align_token_ids",
+    "student_token_teacher_logprobs",
+    "inner_prefixes",
+    "resolved_logprobs",
+)
 STEP_PARTS = ("generate", "teacher_prompts", "teacher_score", *ALIGNMENT_PARTS, "compute_loss", "backward")
 
 
