@@ -543,7 +543,9 @@ def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distributi
     student writes digit by digit and the teacher whole): the loss is, computed here by hand, the generalised JSD
     between the student's next-token distribution and the teacher's (a forward over its own tokens of the row) with
     each teacher token's mass on the longest student token its bytes start with, both renormalised over the student
-    tokens that get some, over the supervised positions where both tokenizations cut; exactly the other supervised
+    tokens that get some, over the supervised positions where both tokenizations cut; after a digit, the teacher's
+    probability that its previous token went on (`5` -> `51`) is on the student's next digit (the ends defect: without
+    it the carried distribution says every number ends after its first digit). Exactly the other supervised
     positions are left out, the digits inside numbers among them."""
     from trl_statelens.heads import _completion_hidden_states
     from trl_statelens.teachers.base import completion_padded, left_padded
@@ -595,6 +597,7 @@ def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distributi
         student_logps = student(input_ids, attention_mask=attention_mask).logits[:, prompt_ids.size(1) - 1 : -1]
         student_logps = student_logps.float().log_softmax(-1)
     total, compared, skipped_digits = 0.0, torch.zeros_like(loss_mask, dtype=torch.bool), 0
+    digits_after_numbers = 0  # longer numbers carried onto the student's next digit
     for i, (row, completion) in enumerate(zip(rows, completions)):
         teacher_prompt = teacher_tokenizer(row["prompt"])["input_ids"]
         spelled = teacher_tokenizer(" " + row["answer"], add_special_tokens=False)["input_ids"]
@@ -616,18 +619,35 @@ def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distributi
                 skipped_digits += tokenizer.decode([completion[s]]).isdigit()
                 continue
             compared[i, s] = True
-            probs = teacher_probs[teacher_starts.index(start)]
+            at = teacher_starts.index(start)
+            probs = teacher_probs[at]
             mapped = torch.zeros(student_logps.size(-1))
             for token_id, mass in enumerate(probs.tolist()):
                 if receiver[token_id] is not None:
                     mapped[receiver[token_id]] += mass
+            # After a student token no other starts with (a digit), the teacher's previous token `u` may have gone on
+            # (`5` -> `51`): each longer token's share at u's decision goes to the student token its rest starts with
+            previous = student_bytes[completion[s - 1]] if s else None
+            if at and previous and not any(b != previous and b and b.startswith(previous) for b in student_bytes):
+                ended = teacher_bytes[spelled[at - 1]] or b""
+                longer = [t for t, b in enumerate(teacher_bytes) if ended and b and len(b) > len(ended)]
+                longer = [t for t in longer if teacher_bytes[t].startswith(ended)]
+                before = teacher_probs[at - 1]
+                whole = before[spelled[at - 1]] + before[longer].sum()
+                mapped *= before[spelled[at - 1]] / whole
+                for t in longer:
+                    rest = teacher_bytes[t][len(ended) :]
+                    firsts = [(len(b), v) for v, b in enumerate(student_bytes) if b and rest.startswith(b)]
+                    if firsts:
+                        mapped[max(firsts)[1]] += before[t] / whole
+                        digits_after_numbers += rest[:1].isdigit() and ended[-1:].isdigit()
             # over the student tokens the teacher reaches: the student conditioned on them, the teacher renormalised
             p = student_logps[i, s].exp()
             reached = mapped > 0
             p_cat, q_cat = p[reached] / p[reached].sum(), mapped[reached] / mapped.sum()
             m = (1 - beta) * p_cat + beta * q_cat
             total += beta * (q_cat * (q_cat / m).log()).sum() + (1 - beta) * (p_cat * (p_cat / m).log()).sum()
-    assert skipped_digits > 0 and compared.sum() < loss_mask.sum()
+    assert skipped_digits > 0 and compared.sum() < loss_mask.sum() and digits_after_numbers > 0
     assert torch.equal(torch.isfinite(out.leftover), compared)
     torch.testing.assert_close(out.loss.detach(), total / normalizer, rtol=1e-4, atol=1e-6)
 

@@ -32,13 +32,16 @@ import torch
 from .. import collective, heads
 from ..heads import Divergence, _student_log_probs, mapped_jsd
 from .alignment import (
+    MappedDistribution,
     NextTokenMap,
     TokenAlignment,
     align_token_ids,
     chunks_resolved,
+    first_student_token,
     inner_prefixes,
     map_next_token_distribution,
     next_token_map,
+    written_student_tokens,
 )
 from .base import RowScores, answered, batch_rows
 from .byte_vocab import byte_vocabulary
@@ -156,6 +159,8 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             if (i >= len(spelled) or spelled[i] is None) and i not in self.student_specials
         ]
         self._next_token_map = None  # built on the first `divergence` step (`_mapping`)
+        self._student_written = None  # the student token written for each spelling (`_goes_on`)
+        self._going_on = {}  # teacher id -> its longer tokens and their student receivers (`_goes_on`)
 
     @classmethod
     def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
@@ -302,6 +307,51 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             )
         return self._next_token_map
 
+    def _goes_on(self, token_id: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher tokens (below the model's `rows`) whose bytes start with `token_id`'s and go on, and for each
+        the student token its remaining bytes start with (-1: none, its mass is left over). Kept per id."""
+        if token_id not in self._going_on:
+            spelled = self.teacher_vocab.token_bytes[token_id]
+            longer = [i for i in self.extensions(token_id).tolist() if i != token_id and i < rows]
+            if longer and self._student_written is None:
+                self._student_written = written_student_tokens(self.student_vocab)
+            after = [self.teacher_vocab.token_bytes[i][len(spelled) :] for i in longer]
+            receivers = [first_student_token(rest, self._student_written) for rest in after]
+            self._going_on[token_id] = (
+                torch.tensor(longer, dtype=torch.long),
+                torch.tensor(receivers, dtype=torch.long),
+            )
+        return self._going_on[token_id]
+
+    def _ends_carried_forward(
+        self, carried: MappedDistribution, logps, teacher_ids, student_ids, student_at, teacher_at
+    ) -> MappedDistribution:
+        """The ends defect of `divergence` removed (docs/cross-tokenizer.md). `carried` holds the teacher's next-token
+        distributions at synchronised positions (`student_at`, `teacher_at`), each conditioned on the teacher's
+        previous token `u` having ended there. Where the student's previous token ends freely
+        (`DecisionTable.free_ends`: a digit, against a teacher that writes `51`), the student's next token must also
+        hold the text going on inside a longer teacher token: at `u`'s decision (`logps` `(n, V)`), each longer token's
+        probability, over that of `u` and all of them, goes to the student token its remaining bytes start with (or
+        to the leftover), and the distribution after `u` is weighted by what is left (`u`'s share). As
+        `move_teacher_ends` does for a token's log-prob, and nothing moves where no teacher token goes on from `u`."""
+        probs, leftover = carried.student_probs.clone(), carried.leftover.clone()
+        free = self.decision_table.free_ends
+        for row, (s, t) in enumerate(zip(student_at, teacher_at, strict=True)):
+            if s == 0 or t == 0 or not free[int(student_ids[s - 1])]:  # (the prompt's last decision is not at hand)
+                continue
+            ended = int(teacher_ids[t - 1])
+            longer, receivers = self._goes_on(ended, logps.size(-1))
+            if not len(longer):
+                continue
+            going = logps[t - 1, longer.to(logps.device)].exp().to(probs.dtype)
+            whole = logps[t - 1, ended].exp().to(probs.dtype) + going.sum()
+            probs[row] *= 1 - going.sum() / whole
+            leftover[row] *= 1 - going.sum() / whole
+            reached = receivers >= 0
+            probs[row].index_add_(0, receivers[reached].to(probs.device), going[reached.to(going.device)] / whole)
+            leftover[row] += going[~reached.to(going.device)].sum() / whole
+        return MappedDistribution(probs, leftover)
+
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
         """The generalised JSD with `beta` at the supervised positions where the teacher's distribution is defined on
         the student's vocabulary: those whose token starts on a boundary both tokenizations share
@@ -339,6 +389,9 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             student_at, teacher_at = student_at[supervised], teacher_at[supervised]
             if len(student_at):
                 carried = map_next_token_distribution(self._mapping(logps.device), self._full_width(logps[teacher_at]))
+                carried = self._ends_carried_forward(
+                    carried, logps, teacher_completions[i], student_ids, student_at.tolist(), teacher_at.tolist()
+                )
                 leftover[i, student_at] = carried.leftover.to(device)
                 positions += [(i, s) for s in student_at.tolist()]
                 mapped.append(carried.student_probs)
