@@ -13,15 +13,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
-# the carry: chunk shares (`student_token_teacher_logprobs`) or, in the process, chunks resolved
-ALIGNMENT_PARTS = (
-    "respell",
-    "align_token_ids",
-    "student_token_teacher_logprobs",
-    "inner_prefixes",
-    "resolved_logprobs",
-)
-STEP_PARTS = ("generate", "teacher_prompts", "teacher_score", *ALIGNMENT_PARTS, "compute_loss", "backward")
+sys.path.insert(0, str(BENCH))
+from bench_cross_tokenizer import ALIGNMENT_PARTS, STEP_PARTS  # noqa: E402  (the parts the benchmark times)
 
 
 @pytest.mark.slow

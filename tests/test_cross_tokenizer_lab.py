@@ -62,11 +62,11 @@ def test_number_signal_sums_each_numbers_log_ratio_over_its_digits(tmp_path):
     assert counted["one_digit"] == {"numbers": 2, "mean_log_ratio": pytest.approx(-1.0)}  # 5: -1.0; 7: -1.0
 
 
-@pytest.mark.parametrize("amendment", ["0707", "div"])
+@pytest.mark.parametrize("amendment", ["0707", "div", "divfix"])
 def test_the_amendments_committed_items_recompute_their_comparisons(amendment):
-    """docs/study/cross-tokenizer-lab/0707/ (amendment 4) and div/ (amendment 5): the paired comparisons in each
-    summary (and STUDY.md) recompute from the committed per-item scores alone, intervals included; amendment 5's
-    comparisons with each seed's start read the start's items, packed under "start"."""
+    """docs/study/cross-tokenizer-lab/0707/ (amendment 4), div/ (amendment 5) and divfix/ (amendment 6): the paired
+    comparisons in each summary (and STUDY.md) recompute from the committed per-item scores alone, intervals included;
+    the comparisons of amendments 5 and 6 with each seed's start read the start's items, packed under "start"."""
     sys.path.insert(0, str(SCRIPT.parent))
     from cross_tokenizer_lab import COMPARISONS, FROM_START
     from study_lab import SCORES, compare_runs
@@ -78,7 +78,7 @@ def test_the_amendments_committed_items_recompute_their_comparisons(amendment):
         entry = packed["base"] if name == "base" else packed["runs"][name][str(seed)]
         return {task: dict(zip(packed["questions"][task], entry["items"][task])) for task in SCORES}
 
-    comparisons = COMPARISONS + (FROM_START if amendment == "div" else [])
+    comparisons = COMPARISONS + (FROM_START if amendment != "0707" else [])
     recomputed = compare_runs(scores_of, packed["seeds"], comparisons)
     committed = json.loads((records / "summary.json").read_text())["comparisons"]
     assert len(recomputed) == len(committed) == 3 * len(comparisons)

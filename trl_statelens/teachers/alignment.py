@@ -42,9 +42,7 @@ class TeacherSignal(IntEnum):
     EXACT = 0  # its own bytes, summed over the teacher tokens that spell exactly them
     CHUNK_END = 1  # the last token of a chunk: the teacher's log-prob of the whole chunk
     CHUNK_INSIDE = 2  # an earlier token of a chunk: 0, its part is on the chunk's last token
-    RESOLVED = (
-        3  # a token of a chunk given its own part, from the teacher's byte-prefix masses ([`resolved_logprobs`])
-    )
+    RESOLVED = 3  # a chunk's token given its own part, from byte-prefix masses ([`resolved_logprobs`])
 
 
 @dataclass(frozen=True)
