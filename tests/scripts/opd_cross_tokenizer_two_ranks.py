@@ -64,25 +64,11 @@ counts, teachers = [], []  # per step on this rank: (exact supervised tokens, su
 compute_loss = trainer._compute_loss
 
 
-def mapped_positions(inputs, supervised) -> int:
-    """The supervised positions with a distribution of the teacher: a row the teacher read as text (`TextReading`)
-    has one where its alignment is synchronised."""
-    mapped = supervised.clone()
-    for i, row in enumerate(inputs["teacher_scores"] or []):
-        if row is not None:
-            synchronised = torch.zeros_like(mapped[i])
-            synchronised[row.scores.result()[row.index].alignment.synchronised[:, 0]] = True
-            mapped[i] &= synchronised
-    return int(mapped.sum())
-
-
 def counting_loss(model, inputs):
     if model.training:
         signal = resolved_signal(inputs["teacher_scores"], inputs["completion_ids"])
         supervised = inputs.get("loss_mask", inputs["completion_mask"]).bool()  # continuation: the teacher's tokens
         counts.append([int(((signal == TeacherSignal.EXACT) & supervised).sum()), int(supervised.sum())])
-        if trainer.args.signal == "divergence":
-            counts[-1].append(mapped_positions(inputs, supervised))
         teachers.append(inputs["teacher"])
     return compute_loss(model, inputs)
 

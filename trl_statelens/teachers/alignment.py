@@ -187,17 +187,27 @@ def student_token_teacher_logprobs(
     return values, signal
 
 
-def inner_prefixes(alignment: TokenAlignment, teacher_ids, teacher_vocab: ByteVocabulary) -> list[tuple[int, bytes]]:
-    """For each student token that ends inside a teacher token, in order: that teacher token's index and its bytes up
-    to the student token's end (what [`resolved_logprobs`] needs the byte-prefix mass of)."""
+def starts_inside(
+    alignment: TokenAlignment, teacher_ids, teacher_vocab: ByteVocabulary
+) -> list[tuple[int, int, bytes]]:
+    """For each student token that starts inside a teacher token, in order: its index, that teacher token's index and
+    the teacher token's bytes written before it (the part whose byte-prefix mass `divergence` reads the rest of the
+    teacher's token from)."""
     teacher_cuts = alignment.teacher_boundaries
-    ends = alignment.student_boundaries[1:]
-    inside = (~torch.isin(ends, teacher_cuts)).nonzero()[:, 0].tolist()
-    containing = (torch.searchsorted(teacher_cuts, ends[inside], right=True) - 1).tolist()
+    starts = alignment.student_boundaries[:-1]
+    inside = (~torch.isin(starts, teacher_cuts)).nonzero()[:, 0].tolist()
+    containing = (torch.searchsorted(teacher_cuts, starts[inside], right=True) - 1).tolist()
     return [
-        (j, teacher_vocab.token_bytes[int(teacher_ids[j])][: int(ends[k] - teacher_cuts[j])])
+        (k, j, teacher_vocab.token_bytes[int(teacher_ids[j])][: int(starts[k] - teacher_cuts[j])])
         for k, j in zip(inside, containing, strict=True)
     ]
+
+
+def inner_prefixes(alignment: TokenAlignment, teacher_ids, teacher_vocab: ByteVocabulary) -> list[tuple[int, bytes]]:
+    """For each student token that ends inside a teacher token, in order: that teacher token's index and its bytes up
+    to the student token's end (what [`resolved_logprobs`] needs the byte-prefix mass of). The next student token
+    starts there: [`starts_inside`]'s entries."""
+    return [(j, part) for _, j, part in starts_inside(alignment, teacher_ids, teacher_vocab)]
 
 
 def chunks_resolved(alignment: TokenAlignment) -> TokenAlignment:

@@ -16,8 +16,10 @@ and its text is tokenized again for the student, special tokens carried back by 
 
 `divergence`, in-process only ([`CrossTokenizerTeacher.divergence_loss`]): at each supervised student position that
 starts on a boundary both tokenizations share, the teacher's next-token distribution (one forward over its own tokens)
-carried onto the student's vocabulary by [`alignment.map_next_token_distribution`] and compared with the student's by
-[`heads.mapped_jsd`]; the other positions carry no distribution and are left out. A served teacher answers top-k
+carried onto the student's vocabulary by [`alignment.map_next_token_distribution`] (with the text going on inside
+the teacher's previous token, where the student's previous token ends freely); at a position inside a teacher token,
+the rest of the teacher's tokens that start with the part written; both compared with the student's by
+[`heads.mapped_jsd`]. A served teacher answers top-k
 log-probs, not the full distribution the mapping needs: refused. Several routed teachers may include such teachers
 ([`TeacherRouter`]: each row is read in its own teacher's tokens).
 """
@@ -41,6 +43,7 @@ from .alignment import (
     inner_prefixes,
     map_next_token_distribution,
     next_token_map,
+    starts_inside,
     written_student_tokens,
 )
 from .base import RowScores, answered, batch_rows
@@ -159,8 +162,8 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             if (i >= len(spelled) or spelled[i] is None) and i not in self.student_specials
         ]
         self._next_token_map = None  # built on the first `divergence` step (`_mapping`)
-        self._student_written = None  # the student token written for each spelling (`_goes_on`)
-        self._going_on = {}  # teacher id -> its longer tokens and their student receivers (`_goes_on`)
+        self._student_written = None  # the student token written for each spelling (`_going_on`)
+        self._going_on_from = {}  # bytes -> the teacher tokens starting with them and going on (`_going_on`)
 
     @classmethod
     def prepared(cls, trainer, model, tokenizer) -> CrossTokenizerTeacher:
@@ -307,21 +310,34 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             )
         return self._next_token_map
 
-    def _goes_on(self, token_id: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher tokens (below the model's `rows`) whose bytes start with `token_id`'s and go on, and for each
-        the student token its remaining bytes start with (-1: none, its mass is left over). Kept per id."""
-        if token_id not in self._going_on:
-            spelled = self.teacher_vocab.token_bytes[token_id]
-            longer = [i for i in self.extensions(token_id).tolist() if i != token_id and i < rows]
-            if longer and self._student_written is None:
+    def _going_on(self, spelled: bytes, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The teacher tokens (below the model's `rows`) whose bytes start with `spelled`; whether each goes on past
+        it; and for each the student token its remaining bytes start with (-1: none, or it does not go on). Kept."""
+        if spelled not in self._going_on_from:
+            if self._student_written is None:
                 self._student_written = written_student_tokens(self.student_vocab)
-            after = [self.teacher_vocab.token_bytes[i][len(spelled) :] for i in longer]
-            receivers = [first_student_token(rest, self._student_written) for rest in after]
-            self._going_on[token_id] = (
-                torch.tensor(longer, dtype=torch.long),
-                torch.tensor(receivers, dtype=torch.long),
-            )
-        return self._going_on[token_id]
+            ids = self.ids_starting_with(spelled)
+            ids = ids[ids < rows]
+            rests = [self.teacher_vocab.token_bytes[i][len(spelled) :] for i in ids.tolist()]
+            receivers = [first_student_token(rest, self._student_written) if rest else -1 for rest in rests]
+            longer = torch.tensor([bool(rest) for rest in rests], dtype=torch.bool)
+            self._going_on_from[spelled] = (ids, longer, torch.tensor(receivers, dtype=torch.long))
+        return self._going_on_from[spelled]
+
+    def _carried_on(self, logps, spelled: bytes, ended: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At one teacher decision (its log-probs `(V,)`), the text going on past `spelled` inside a token that
+        starts with it: each longer token's probability on the student token its remaining bytes start with, over
+        the mass of `ended` and the longer tokens (`ended` `None`: every token starting with `spelled`). Returns that
+        `(V_s,)`, the part of it that reaches no student token, and their total (the share that goes on)."""
+        ids, longer, receivers = self._going_on(spelled, logps.size(-1))
+        probs = logps[ids.to(logps.device)].exp()
+        going = probs.masked_fill(~longer.to(probs.device), 0.0)
+        whole = probs.sum() if ended is None else logps[ended].exp() + going.sum()
+        reached = receivers >= 0
+        carried = going.new_zeros(len(self.student_vocab))
+        carried.index_add_(0, receivers[reached].to(going.device), going[reached.to(going.device)] / whole)
+        share = going.sum() / whole
+        return carried, share - carried.sum(), share
 
     def _ends_carried_forward(
         self, carried: MappedDistribution, logps, teacher_ids, student_ids, student_at, teacher_at
@@ -340,27 +356,35 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
             if s == 0 or t == 0 or not free[int(student_ids[s - 1])]:  # (the prompt's last decision is not at hand)
                 continue
             ended = int(teacher_ids[t - 1])
-            longer, receivers = self._goes_on(ended, logps.size(-1))
-            if not len(longer):
+            spelled = self.teacher_vocab.token_bytes[ended]
+            if spelled is None:
                 continue
-            going = logps[t - 1, longer.to(logps.device)].exp().to(probs.dtype)
-            whole = logps[t - 1, ended].exp().to(probs.dtype) + going.sum()
-            probs[row] *= 1 - going.sum() / whole
-            leftover[row] *= 1 - going.sum() / whole
-            reached = receivers >= 0
-            probs[row].index_add_(0, receivers[reached].to(probs.device), going[reached.to(going.device)] / whole)
-            leftover[row] += going[~reached.to(going.device)].sum() / whole
+            going, unread, share = self._carried_on(logps[t - 1], spelled, ended)
+            probs[row] = probs[row] * (1 - share) + going.to(probs.dtype)
+            leftover[row] = leftover[row] * (1 - share) + unread
+        return MappedDistribution(probs, leftover)
+
+    def _carried_inside(self, logps, inside) -> MappedDistribution:
+        """At each student position that starts inside a teacher token (`inside`: [`starts_inside`]' entries), the
+        teacher's distribution of the rest of its token: at that token's decision (`logps` `(n, V)`), each token
+        starting with the part written so far and going on past it, on the student token its rest starts with, over
+        every token starting with that part. The mass of the tokens that end with the part (the teacher's token ends
+        there: what follows it is another decision, not at hand) is left over, with the rest that reaches no student
+        token: the loss compares the student with it over the tokens it reaches (which digit, inside a number)."""
+        rows = [self._carried_on(logps[j], part, None) for _, j, part in inside]
+        probs = torch.stack([going for going, _, _ in rows])
+        leftover = torch.stack([unread + 1 - share for _, unread, share in rows])
         return MappedDistribution(probs, leftover)
 
     def divergence_loss(self, student, student_hidden, batch, loss_mask, normalizer, beta, temperature):
-        """The generalised JSD with `beta` at the supervised positions where the teacher's distribution is defined on
-        the student's vocabulary: those whose token starts on a boundary both tokenizations share
-        (`TokenAlignment.synchronised`). There the teacher's next-token distribution, from one forward over its own
-        tokens of the row ([`TextReading`], made by `score`), is carried onto the student's vocabulary
-        ([`map_next_token_distribution`]) and compared with the student's at the run's temperature
-        ([`heads.mapped_jsd`]: over the student tokens it reaches, both renormalised there). Any other supervised
-        position is left out of the loss (`leftover` NaN there). Summed and divided by `normalizer`, as the
-        same-tokenizer loss.
+        """The generalised JSD with `beta` at every supervised position, against the teacher's distribution carried
+        onto the student's vocabulary from one forward over its own tokens of the row ([`TextReading`], made by
+        `score`): where the student's token starts on a boundary both tokenizations share
+        (`TokenAlignment.synchronised`), its next-token distribution ([`map_next_token_distribution`],
+        `_ends_carried_forward`); inside a teacher token, the rest of its tokens that start with the part written
+        (`_carried_inside`). Compared with the student's at the run's temperature ([`heads.mapped_jsd`]: over the
+        student tokens it reaches, both renormalised there); `leftover` is NaN at the positions not supervised. Summed
+        and divided by `normalizer`, as the same-tokenizer loss.
 
         Also each token's teacher log-prob carried as `score` carries it (ends moved), for the metrics and records;
         the student's own per-token values are left to the trainer (`logps` `None`). The teacher's forwards run in
@@ -394,6 +418,17 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
                 )
                 leftover[i, student_at] = carried.leftover.to(device)
                 positions += [(i, s) for s in student_at.tolist()]
+                mapped.append(carried.student_probs)
+            inside = [
+                entry
+                for entry in starts_inside(alignment, teacher_completions[i], self.teacher_vocab)
+                if loss_mask[i, entry[0]] != 0
+            ]
+            if inside:
+                carried = self._carried_inside(logps, inside)
+                at = torch.tensor([k for k, _, _ in inside], device=device)
+                leftover[i, at] = carried.leftover.to(device)
+                positions += [(i, k) for k, _, _ in inside]
                 mapped.append(carried.student_probs)
         rows, at = torch.tensor(positions, dtype=torch.long, device=device).reshape(-1, 2).T
         hidden = student_hidden[rows, at]
