@@ -62,11 +62,11 @@ def test_number_signal_sums_each_numbers_log_ratio_over_its_digits(tmp_path):
     assert counted["one_digit"] == {"numbers": 2, "mean_log_ratio": pytest.approx(-1.0)}  # 5: -1.0; 7: -1.0
 
 
-@pytest.mark.parametrize("amendment", ["0707", "div", "divfix"])
+@pytest.mark.parametrize("amendment", ["0707", "div", "divfix", "inner"])
 def test_the_amendments_committed_items_recompute_their_comparisons(amendment):
-    """docs/study/cross-tokenizer-lab/0707/ (amendment 4), div/ (amendment 5) and divfix/ (amendment 6): the paired
+    """docs/study/cross-tokenizer-lab/0707/ (amendment 4), div/, divfix/ and inner/ (amendments 5 to 7): the paired
     comparisons in each summary (and STUDY.md) recompute from the committed per-item scores alone, intervals included;
-    the comparisons of amendments 5 and 6 with each seed's start read the start's items, packed under "start"."""
+    the comparisons of amendments 5 to 7 with each seed's start read the start's items, packed under "start"."""
     sys.path.insert(0, str(SCRIPT.parent))
     from cross_tokenizer_lab import COMPARISONS, FROM_START
     from study_lab import SCORES, compare_runs
