@@ -40,7 +40,8 @@ each row to its own teacher, and a self teacher is handed its own prompts in pla
 """
 
 from .base import ResolvedScores, RowScores, Teacher, TeacherRow, answered, resolve_rows, resolved_signal
-from .cross_tokenizer import CrossTokenizerTeacher, check_before_loading, teacher_in_process
+from .cross_tokenizer import CrossTokenizerTeacher, teacher_in_process
+from .cross_tokenizer_checks import check_before_loading
 from .in_process import InProcessTeacher
 from .loading import connect_served_teacher, load_teacher, load_teachers, without_zero3_init
 from .router import TeacherRouter

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from .base import RowScores, answered, batch_rows
-from .cross_tokenizer import refuse_unsupported
+from .cross_tokenizer_checks import refuse_unsupported
 from .reads_text import ReadsText
 from .served import ServedTeacher
 from .server_client import TeacherServerClient
