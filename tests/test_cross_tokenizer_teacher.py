@@ -666,6 +666,30 @@ def test_divergence_from_a_teacher_of_another_tokenizer_is_its_mapped_distributi
     torch.testing.assert_close(out.loss.detach(), total / normalizer, rtol=1e-4, atol=1e-6)
 
 
+def test_a_part_whose_tokens_all_underflow_carries_nothing_and_no_nan(
+    tmp_path, math_trained_path, other_teacher_path, math_dataset
+):
+    """Inside a teacher token whose every continuation has probability 0 at the run's precision (a very peaked
+    teacher, a low temperature), the carried distribution is empty (the loss adds 0 there) and all of it is left
+    over: a NaN there would reach the loss and every gradient."""
+    trainer = OnPolicyDistillTrainer(
+        model=str(math_trained_path),
+        teacher_model=str(other_teacher_path),
+        args=opd_config(tmp_path, signal="divergence"),
+        train_dataset=math_dataset,
+    )
+    teacher = trainer.teacher
+    rows = teacher.model.get_output_embeddings().weight.size(0)
+    starting = set(teacher.ids_starting_with(b"1").tolist())
+    elsewhere = next(i for i in range(rows) if i not in starting)
+    logps = torch.full((1, rows), -float("inf"))
+    logps[0, elsewhere] = 0.0  # the teacher is sure of a token that does not start with `1`
+    carried = teacher._carried_inside(logps, [(0, 0, b"1")])
+    assert carried.student_probs.sum() == 0 and carried.leftover.tolist() == [1.0]
+    going, unread, share = teacher._carried_on(logps[0], b"1", ended=next(iter(starting)))
+    assert going.sum() == 0 and unread == 0 and share == 0
+
+
 def test_divergence_from_a_teacher_of_another_tokenizer_trains_and_logs_what_was_mapped(
     tmp_path, math_trained_path, other_teacher_path, math_dataset
 ):

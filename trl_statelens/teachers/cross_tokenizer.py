@@ -286,6 +286,7 @@ class CrossTokenizerTeacher(ReadsText, InProcessTeacher):
         probs = logps[ids.to(logps.device)].exp()
         going = probs.masked_fill(~longer.to(probs.device), 0.0)
         whole = probs.sum() if ended is None else logps[ended].exp() + going.sum()
+        whole = whole.clamp_min(torch.finfo(whole.dtype).tiny)  # (all of it underflowed: nothing goes on, no NaN)
         reached = receivers >= 0
         carried = going.new_zeros(len(self.student_vocab))
         carried.index_add_(0, receivers[reached].to(going.device), going[reached.to(going.device)] / whole)
